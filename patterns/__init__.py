@@ -1,0 +1,1 @@
+"""Model preset YAML files, shipped inside the package as ``commbench.presets``."""
