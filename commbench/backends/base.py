@@ -8,6 +8,7 @@ in Python.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -36,9 +37,18 @@ class Backend(abc.ABC):
     def setup(self, plan: RankPlan) -> None:  # noqa: B027 - optional hook
         """Allocate buffers for ``plan`` (untimed)."""
 
+    def setup_peers(self, plans: Sequence[RankPlan]) -> None:  # noqa: B027 - optional hook
+        """Every rank's plan (``plans[src]``), given before ``setup`` (untimed). Only backends that model the
+        traffic instead of moving it need it; the harness builds these plans anyway to verify."""
+
+    def modelled_seconds(self) -> float | None:
+        """Emulated timing: the modelled duration of the last exchange_counts + dispatch (or combine) calls.
+        None (the default) = the harness measures the phase with its timer."""
+        return None
+
     @abc.abstractmethod
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """All-to-all of the [world, slots] count matrix; returns recv_counts [world, slots] (row = source)."""
+        """All-to-all of the [world, slots] count matrix; returns recv_counts [world, slots], row = source."""
 
     @abc.abstractmethod
     def dispatch(self, tokens: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
