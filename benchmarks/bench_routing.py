@@ -6,11 +6,16 @@ Both are timed in the same run (median of the repeats). The routing side is ``ro
 calibration and popularity excluded (computed once per run and cached); the floor only runs ``torch.topk``
 on a ready-made [tokens, experts] float32 matrix, as a real router does after its gate GEMM. Target: the
 ratio stays at or below 2.
+
+route_rank runs a few hundred vectorized torch ops per chunk where topk runs one. On a machine shared with
+other busy processes, OpenMP workers that spin between ops (the default wait policy) slow the routing far
+more than the single topk; compare with --threads 1 or OMP_WAIT_POLICY=PASSIVE to see that effect.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -57,7 +62,8 @@ def main() -> None:
 
     print(
         f"model {model.name}  skew {args.skew}  tokens {args.tokens}  experts {model.num_experts}"
-        f"  top-{model.topk}  torch threads {torch.get_num_threads()}  repeats {args.repeats}"
+        f"  top-{model.topk}  torch threads {torch.get_num_threads()}"
+        f"  OMP_WAIT_POLICY {os.environ.get('OMP_WAIT_POLICY', '(default)')}  repeats {args.repeats}"
     )
     print(f"popularity/calibration (once per run): {setup:.3f} s")
     print(f"route_rank:                     {routing:.3f} s  ({routing / args.tokens * 1e9:.0f} ns/token)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import math
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,13 +41,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         where = f"model {self.name!r}"
-        for key in _POSITIVE_KEYS:
+        for key in (*_POSITIVE_KEYS, "num_shared_experts"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise UsageError(f"{where}: {key} must be a positive integer, got {value!r}")
-        shared = self.num_shared_experts
-        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-            raise UsageError(f"{where}: num_shared_experts must be an integer >= 0, got {shared!r}")
+            least = 0 if key == "num_shared_experts" else 1
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                kind = "an integer >= 0" if least == 0 else "a positive integer"
+                raise UsageError(f"{where}: {key} must be {kind}, got {value!r}")
+            object.__setattr__(self, key, int(value))  # numpy integers become plain ints
         if self.topk > self.num_experts:
             raise UsageError(f"{where}: topk {self.topk} exceeds num_experts {self.num_experts}")
         if self.topk_group > self.n_group:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,13 +70,16 @@ class RoutingConfig:
     capacity_factor: float | None = None  # per (source rank, expert) capacity; None = no dropping
 
     def __post_init__(self) -> None:
-        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
-            raise UsageError(f"world size must be a positive integer, got {self.world_size!r}")
+        for name, what, least in (
+            ("world_size", "world size", 1),
+            ("tokens_per_rank", "tokens per rank", 1),
+            ("seed", "seed", 0),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                raise UsageError(f"{what} must be an integer >= {least}, got {value!r}")
+            object.__setattr__(self, name, int(value))  # numpy integers become plain ints (hashing, JSON)
         experts_per_rank(self.model.num_experts, self.world_size)
-        if not isinstance(self.tokens_per_rank, int) or self.tokens_per_rank < 1:
-            raise UsageError(f"tokens per rank must be a positive integer, got {self.tokens_per_rank!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise UsageError(f"seed must be an integer >= 0, got {self.seed!r}")
         if not 0.0 <= self.mask_ratio < 1.0:
             raise UsageError(f"mask ratio must be in [0, 1), got {self.mask_ratio!r}")
         if self.capacity_factor is not None and not (

@@ -79,14 +79,22 @@ def test_world_size_must_divide_experts():
         ({"mask_ratio": -0.1}, "mask ratio"),
         ({"capacity_factor": 0.0}, "capacity factor"),
         ({"capacity_factor": float("nan")}, "capacity factor"),
-        ({"seed": -1}, "seed"),
-        ({"tokens": 0}, "tokens per rank"),
-        ({"world": 0}, "world size"),
+        ({"seed": -1}, "seed must be an integer >= 0"),
+        ({"seed": 1.5}, "seed must be an integer >= 0"),
+        ({"tokens": 0}, "tokens per rank must be an integer >= 1"),
+        ({"world": 0}, "world size must be an integer >= 1"),
+        ({"world": True}, "world size must be an integer >= 1"),
     ],
 )
 def test_routing_config_validation(options, words):
     with pytest.raises(UsageError, match=words):
         config(**options)
+
+
+def test_numpy_integers_are_accepted():
+    cfg = config(world=np.int64(4), tokens=np.int32(16), seed=np.uint8(3))
+    assert (cfg.world_size, cfg.tokens_per_rank, cfg.seed) == (4, 16, 3)
+    assert type(cfg.world_size) is int and hash(cfg)
 
 
 def test_rank_out_of_range():
