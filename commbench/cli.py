@@ -668,8 +668,8 @@ def cli() -> None:
     "--imbalance-cost/--no-imbalance-cost",
     default=False,
     show_default=True,
-    help="MoE: after each job, time a balanced all-to-all with the same total bytes as each phase, in the "
-    "same launch, and add balanced_time_us_p50, skew_cost and skew_bw_loss_pct to its rows.",
+    help="MoE: after each job, rerun dispatch and combine (same code path, same launch) on a balanced layout "
+    "of the same rows, and add balanced_time_us_p50, skew_cost and skew_bw_loss_pct to its rows.",
 )
 @click.option(
     "--pattern",
@@ -851,8 +851,8 @@ def run(
     "--imbalance-cost/--no-imbalance-cost",
     default=True,
     show_default=True,
-    help="After each MoE case, time a balanced all-to-all with the same total bytes as each phase (same "
-    "launch) and report skew_cost = skewed time / balanced time.",
+    help="After each MoE case, rerun dispatch and combine on a balanced layout of the same rows (same code "
+    "path, same launch) and report skew_cost = skewed time / balanced time.",
 )
 @click.option(
     "--quick",

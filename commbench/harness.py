@@ -14,10 +14,14 @@ or ``scaleout`` (another domain), by the run's layout (``gather_topology``: each
 gathered, or the ``ranks_per_domain`` / ``ranks_per_host`` overrides). Rows store bytes only; the report
 derives the per-class bandwidths against a spec.
 
-Imbalance cost (``RunOptions.imbalance_cost``): after an MoE job's two phases, the same launch times a
-balanced all-to-all carrying the same total bytes as each phase (every rank sends total / world, spread
-evenly; dispatch's reference includes the counts exchange as dispatch does), and the phase's row gets
-``balanced_time_us_p50``, ``skew_cost`` (= time / balanced time) and ``skew_bw_loss_pct``.
+Imbalance cost (``RunOptions.imbalance_cost``): after an MoE job's two phases, the same launch runs
+both phases again through the same code path (counts exchange + ``backend.dispatch``, then
+``backend.combine`` with its weighted reduction, both verified the same way) on a balanced layout
+(``plan.plan_balanced_moe``): the same total rows, row sizes, tokens per rank and send mode, every (src,
+dst) pair (self included) ``total / world^2`` rows (the remainder one row per pair, so totals match
+exactly), so every rank sends and receives the same rows. Each phase's row gets ``balanced_time_us_p50``,
+``skew_cost`` (= time / balanced time) and ``skew_bw_loss_pct``: what the skew alone costs, not the packing
+or reduction work.
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ from commbench.backends import get_backend
 from commbench.backends.base import Backend
 from commbench.errors import UsageError, VerificationError
 from commbench.links import link_class_byte_columns, per_rank_link_bytes
-from commbench.plan import RankPlan, balanced_row_bytes, plan_balanced, plan_rank
-from commbench.routing import Routing, RoutingConfig, route_rank
+from commbench.plan import RankPlan, balanced_row_bytes, plan_balanced, plan_balanced_moe, plan_rank
+from commbench.routing import Routing, RoutingConfig, experts_per_rank, route_rank
 from commbench.topology import Layout, RankPlace, build_layout, local_place
 from commbench.verify import (
     HEADER_BYTES,
@@ -433,43 +437,81 @@ def skew_cost_columns(
 
 
 def _balanced_reference(
-    comm: Any, backend: Backend, job: Job, phase: str, total_bytes: int, count_exchange: bool
-) -> tuple[dict[str, Any], int]:
-    """Time a balanced all-to-all carrying ``total_bytes`` in all (each rank sends total / world, spread
-    evenly) right after the skewed phase; returns (the phase row's balanced_* columns, wrong over ranks)."""
+    comm: Any,
+    backend: Backend,
+    job: Job,
+    num_tokens: int,
+    dispatch_results: list[_PhaseResult],
+    dispatch_row_bytes: int,
+    combine_row_bytes: int,
+) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Time dispatch and combine again, same backend calls and verification, on a skew-free MoE plan with the
+    skewed job's total rows, row sizes, tokens per rank and send mode (``plan_balanced_moe``: every (src, dst)
+    pair gets total / world^2 rows, remainder spread one row per pair). Returns ({phase: the phase row's
+    balanced_* columns}, failure messages)."""
     world = comm.world_size
-    size = total_bytes // world  # bytes each rank sends; rows of size // world to every rank
-    empty = {
-        "balanced_size_bytes": None,
-        "balanced_total_bytes": None,
-        "balanced_time_us_p50": float("nan"),
-    }
-    if size < world:  # too few bytes to give every rank one byte (tiny or fully masked patterns)
-        return empty, 0
     me = comm.rank
     device = comm.device
-    plans = [plan_balanced(src, world, size) for src in range(world)]
+    total_rows = int(sum(sum(r.send_rows) for r in dispatch_results))
+    if total_rows == 0:  # nothing to balance (fully masked patterns)
+        empty = {
+            "balanced_size_bytes": None,
+            "balanced_total_bytes": None,
+            "balanced_time_us_p50": float("nan"),
+        }
+        return {"dispatch": dict(empty), "combine": dict(empty)}, []
+    model = job.routing.model
+    per_rank = experts_per_rank(model.num_experts, world)
+    plans = [
+        plan_balanced_moe(
+            src, world, total_rows, num_tokens, dispatch_row_bytes, combine_row_bytes, job.send_mode, per_rank
+        )
+        for src in range(world)
+    ]
     plan = plans[me].to(device)
     tokens = encode_rows(me, torch.arange(plan.num_tokens, device=device), plan.dispatch_row_bytes)
     backend.setup_peers(plans)
     backend.setup(plan)
+    state: dict[str, torch.Tensor] = {}
 
-    def body() -> torch.Tensor:
-        counts = backend.exchange_counts(plan.send_counts) if count_exchange else plan.static_recv_counts
+    def dispatch() -> torch.Tensor:  # as the skewed dispatch: counts exchange + rows
+        state["recv_counts"] = counts = backend.exchange_counts(plan.send_counts)
         return backend.dispatch(tokens, plan, counts)
 
-    with comm.guard(f"job {job.name!r} {phase} imbalance-cost alltoall"):
-        seconds, received = _timed_phase(comm, backend, job, body)
-    wrong = count_wrong_rows(received, expected_rows(plans, me, device))
-    results = comm.all_gather_object(_PhaseResult(seconds, wrong, plan.send_splits))
-    matrix = _phase_matrix(results, "alltoall", plan.dispatch_row_bytes)
-    times = _time_columns(np.array([r.seconds for r in results], dtype=np.float64))
-    columns = {
-        "balanced_size_bytes": int(size // world * world),
-        "balanced_total_bytes": int(matrix.sum()),
-        "balanced_time_us_p50": times["time_us_p50"],
-    }
-    return columns, int(sum(r.wrong for r in results))
+    with comm.guard(f"job {job.name!r} imbalance-cost balanced dispatch"):
+        dispatch_seconds, received = _timed_phase(comm, backend, job, dispatch)
+    dispatch_wrong = count_wrong_rows(received, expected_rows(plans, me, device))
+    comm.heartbeat()
+    recv_counts = state["recv_counts"]
+    src, token = decode_header(received)
+    expert_out = expert_outputs(src, token, received_keys(recv_counts, me, job.send_mode), model.hidden)
+    reference, tolerance = expected_combine(plan, model.hidden)
+    with comm.guard(f"job {job.name!r} imbalance-cost balanced combine"):
+        combine_seconds, combined = _timed_phase(
+            comm, backend, job, lambda: backend.combine(expert_out, plan, recv_counts)
+        )
+    combine_wrong = count_wrong_combine(combined, reference, tolerance)
+    comm.heartbeat()
+    mine = (dispatch_seconds, dispatch_wrong, combine_seconds, combine_wrong, plan.send_splits)
+    gathered = comm.all_gather_object(mine)
+    columns: dict[str, dict[str, Any]] = {}
+    failures = []
+    for phase, row_bytes, seconds_at, wrong_at, unit in (
+        ("dispatch", dispatch_row_bytes, 0, 1, "bytes"),
+        ("combine", combine_row_bytes, 2, 3, "elements"),
+    ):
+        results = [_PhaseResult(g[seconds_at], g[wrong_at], g[4]) for g in gathered]
+        matrix = _phase_matrix(results, phase, row_bytes)
+        times = _time_columns(np.array([r.seconds for r in results], dtype=np.float64))
+        columns[phase] = {
+            "balanced_size_bytes": _byte_columns(matrix)["size_bytes"],
+            "balanced_total_bytes": int(matrix.sum()),
+            "balanced_time_us_p50": times["time_us_p50"],
+        }
+        wrong = int(sum(r.wrong for r in results))
+        if wrong:
+            failures.append(f"{phase} imbalance-cost balanced reference #wrong={wrong} {unit}")
+    return columns, failures
 
 
 def _corrupt_received(received: torch.Tensor) -> None:
@@ -588,14 +630,21 @@ def _run_moe(
     if total_wrong:
         failures.append(f"combine #wrong={total_wrong} elements")
 
-    # Imbalance cost: the same total bytes as each phase, balanced, timed in this launch right after.
+    # Imbalance cost: both phases again on a skew-free plan of the same rows, timed in this launch.
+    if finished:
+        references, ref_failures = _balanced_reference(
+            comm,
+            backend,
+            job,
+            plan.num_tokens,
+            finished[0][1],
+            plan.dispatch_row_bytes,
+            plan.combine_row_bytes,
+        )
+        failures += ref_failures
     for phase, results, imbalance, row_bytes in finished:
-        total_bytes = int(_phase_matrix(results, phase, row_bytes).sum())
-        count_exchange = phase == "dispatch" and plan.static_recv_counts is None
-        columns, ref_wrong = _balanced_reference(comm, backend, job, phase, total_bytes, count_exchange)
-        if ref_wrong:
-            failures.append(f"{phase} imbalance-cost alltoall #wrong={ref_wrong} bytes")
         if me == 0:
+            columns = references[phase]
             row, rank_rows = _phase_rows(
                 comm, backend, job, phase, results, row_bytes, case, imbalance, topology
             )

@@ -9,6 +9,9 @@ Layout conventions (binding, see docs/architecture.md):
   by (expert, token) inside. ``send_key`` is the expert id and ``combine_weight`` the selection's weight.
   ``send_counts`` is per local expert ([world, experts_per_rank]), as per-expert dispatchers exchange it.
 - ``balanced`` (nccl-tests alltoall): ``world_size`` rows of ``size // world_size`` bytes, row i to rank i.
+- ``plan_balanced_moe`` (the imbalance-cost reference): a token- or selection-mode plan, laid out exactly as
+  above, whose [src][dst] row counts are as even as integers allow (``balanced_pair_rows``), so the same
+  dispatch/combine code (packing, counts exchange, weighted reduction) runs on a layout without skew.
 
 A receiver gets each source's rows in the order that source sent them, sources in rank order: the same order
 as ``all_to_all_single``'s output, whose segment starts are ``receive_offsets``.
@@ -145,6 +148,81 @@ def plan_balanced(rank: int, world_size: int, size_bytes: int) -> RankPlan:
         dispatch_row_bytes=row_bytes,
         combine_row_bytes=0,
         static_recv_counts=ones.clone(),
+    )
+
+
+def balanced_pair_rows(world_size: int, total_rows: int) -> np.ndarray:
+    """rows[src, dst] summing to ``total_rows``: every pair (self included) ``total_rows // world^2``, or
+    one more.
+
+    The remainder goes to pairs in diagonal order, (src, (src + shift) % world) for shift = 0, 1, ... and src
+    ascending inside a shift, so every rank's send and receive totals also differ by at most one row.
+    """
+    if world_size < 1 or total_rows < 0:
+        raise ValueError(f"need world_size >= 1 and total_rows >= 0, got {world_size} and {total_rows}")
+    pairs = world_size * world_size
+    extra = np.zeros(pairs, dtype=np.int64)
+    extra[: total_rows % pairs] = 1  # flat index shift * world + src
+    src = np.tile(np.arange(world_size), world_size)
+    dst = (src + np.repeat(np.arange(world_size), world_size)) % world_size
+    rows = np.full((world_size, world_size), total_rows // pairs, dtype=np.int64)
+    rows[src, dst] += extra
+    return rows
+
+
+def plan_balanced_moe(
+    rank: int,
+    world_size: int,
+    total_rows: int,
+    num_tokens: int,
+    dispatch_row_bytes: int,
+    combine_row_bytes: int,
+    send_mode: str = "token",
+    experts_per_rank: int = 1,
+) -> RankPlan:
+    """An MoE-shaped plan of ``rank`` with no skew: ``balanced_pair_rows(world_size, total_rows)[rank]`` rows
+    to each destination, out of ``num_tokens`` local tokens (the skewed job's, so packing gathers and combine
+    reduces the same amounts).
+
+    Selection mode splits each destination's rows over its ``experts_per_rank`` local experts as evenly as
+    integers allow (the extra rows start at expert ``rank % experts_per_rank``, so no expert collects every
+    source's remainder); token mode has one slot per destination. Send rows, numbered k over the slots in
+    expert order, carry token ``k % num_tokens``: every token gets the same number of rows (+-1) and a
+    (token, destination) or (token, expert) pair never repeats. A token's rows weigh 1 / its row count
+    (weights sum to 1 as normalised top-k gates do), so the combine reference is well defined.
+    """
+    if send_mode not in SEND_MODES:
+        raise UsageError(f"unknown send mode {send_mode!r}; choose one of: {', '.join(SEND_MODES)}")
+    per_rank = experts_per_rank if send_mode == "selection" else 1
+    rows_to = torch.from_numpy(balanced_pair_rows(world_size, total_rows)[rank])
+    extra_from = (torch.arange(per_rank, dtype=torch.int64) - rank) % per_rank  # rotated slot order
+    slot_rows = (rows_to // per_rank).unsqueeze(1) + (extra_from < (rows_to % per_rank).unsqueeze(1))
+    if num_tokens < 1 or int(slot_rows.max()) > num_tokens:
+        raise ValueError(
+            f"{total_rows} rows over {world_size}^2 pairs need at least {int(slot_rows.max())} tokens per "
+            f"rank with {per_rank} experts per rank, got {num_tokens}"
+        )
+    num_rows = int(rows_to.sum())
+    expert = torch.repeat_interleave(
+        torch.arange(world_size * per_rank, dtype=torch.int64), slot_rows.reshape(-1), output_size=num_rows
+    )
+    token = torch.arange(num_rows, dtype=torch.int64) % num_tokens  # a slot's <= num_tokens rows: distinct
+    # Layout order: by destination, then (expert, token) in selection mode / token in token mode.
+    order = torch.argsort(expert * num_tokens + token)
+    token, expert = token[order], expert[order]
+    rows_of_token = torch.bincount(token, minlength=num_tokens)
+    combine_weight = 1.0 / rows_of_token[token].to(torch.float32)
+    return RankPlan(
+        rank=rank,
+        world_size=world_size,
+        send_mode=send_mode,
+        num_tokens=num_tokens,
+        send_token_index=token.contiguous(),
+        send_key=(expert if send_mode == "selection" else expert // per_rank).contiguous(),
+        send_counts=slot_rows.to(torch.int64).contiguous(),
+        combine_weight=combine_weight.contiguous(),
+        dispatch_row_bytes=int(dispatch_row_bytes),
+        combine_row_bytes=int(combine_row_bytes),
     )
 
 

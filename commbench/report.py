@@ -85,9 +85,9 @@ DEFAULT_SPEC = BandwidthSpec()
 # Every convention a reader needs to interpret the numbers; shown in summary.md, report.html and results.json.
 CONVENTIONS = """\
 Conventions
-- Bytes are payload only (token rows; no routing metadata, counts or scales headers). Dispatch rows are FP8
-  (hidden bytes + one fp32 scale per scale block) or BF16 (2 x hidden bytes); combine rows are BF16
-  (2 x hidden bytes).
+- Bytes are payload only: token rows, FP8 scales included; routing metadata and the counts exchange are not
+  counted (the counts exchange is inside the timed dispatch). Dispatch rows are FP8 (hidden bytes + one fp32
+  scale per scale block) or BF16 (2 x hidden bytes); combine rows are BF16 (2 x hidden bytes).
 - send_mode=token (DeepEP normal kernels): a token is sent once to each destination rank that holds at least
   one of its selected experts (de-duplicated per destination rank). send_mode=selection: one row per
   (token, expert) selection. Dropped selections (mask ratio, capacity) send nothing.
@@ -118,14 +118,16 @@ Conventions
   figure is what it carried over the phase, a lower bound of its own rate when the other class is slower.
 - Per-rank rows (ranks.csv): bytes sent and received per class; *_GBps = those bytes / the phase time (p50
   of the per-iteration max across ranks), one direction.
-- Imbalance cost: right after an MoE job's phases, the same launch times a balanced all-to-all carrying the
-  same total bytes as the phase (each rank sends total / world, spread evenly; dispatch's reference includes
-  the counts exchange). skew_cost = time / balanced time (1 = skew costs nothing); skew_bw_loss_pct = 100 x
-  (1 - (total bytes / time) / (balanced bytes / balanced time)). Uniform routing is random, so it shows
-  the cost of statistical imbalance and token de-duplication alone.
+- Imbalance cost: right after an MoE job's phases, the same launch runs dispatch (counts exchange included)
+  and combine (weighted reduction included) again through the same code path on a balanced layout of the
+  same rows: same total rows, row sizes, tokens per rank and send mode, every (src, dst) pair (self
+  included) total / world^2 rows (the remainder one row per pair), so every rank sends and receives the same
+  rows; both are verified. skew_cost = time / balanced time (1 = skew costs nothing); skew_bw_loss_pct =
+  100 x (1 - (total bytes / time) / (balanced bytes / balanced time)). Uniform routing is random, so it shows
+  the cost of statistical imbalance alone.
 - GB = 1e9 bytes; GB/s = 1e9 bytes per second; time in microseconds.
-- #wrong: mismatched bytes after dispatch, mismatched elements after combine and balanced all-to-all;
-  0 = data verified.
+- #wrong: mismatched bytes after dispatch and the balanced all-to-all, mismatched output elements after
+  combine (float64 reference, tolerance 1e-4 x sum |w x| + 1e-6); 0 = data verified.
 - maxvio = (max expert load - mean) / mean over experts; expert_cv = std / mean of expert loads;
   expert_max_mean = max / mean.
 - Backends marked "emulated" do not measure the real interconnect (mock, simulators, CPU emulators): their
@@ -760,8 +762,10 @@ def topology_text(frame: pd.DataFrame, meta: dict[str, Any]) -> str | None:
 
 
 SKEW_COST_NOTE = (
-    "skew cost = time / time of a balanced all-to-all of the same total bytes, timed right after in the "
-    "same launch (1 = skew costs nothing); bw loss = bandwidth lost against that balanced pattern."
+    "skew cost = time / time of the same phase (same code path: packing, counts exchange, weighted "
+    "reduction) on a balanced layout of the same rows, every rank pair total / world^2 rows, timed right "
+    "after in the same launch (1 = skew costs nothing); bw loss = bandwidth lost against that balanced "
+    "layout."
 )
 
 

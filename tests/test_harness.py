@@ -19,6 +19,7 @@ from commbench.harness import (
 )
 from commbench.models import ModelConfig, load_model
 from commbench.pattern import build_pattern
+from commbench.plan import balanced_pair_rows
 from commbench.routing import RoutingConfig
 from commbench.skew import parse_skew
 
@@ -251,12 +252,16 @@ def check_link_classes(rows, rank_rows, job):
             assert r["link_sent_bytes"] == r["nvlink_sent_bytes"] + r["scaleout_sent_bytes"]
             expected_GBps = r["scaleout_sent_bytes"] / (row["time_us_p50"] * 1e3)
             assert r["scaleout_send_GBps"] == pytest.approx(expected_GBps)
-        # Imbalance cost: a balanced all-to-all of the same total bytes (up to rounding), timed right after.
+        # Imbalance cost: the same phase on a balanced layout of exactly the same rows (each pair total /
+        # world^2 rows, remainder one row per pair), timed right after and verified (wrong == 0 above).
         world = 4
-        assert row["balanced_size_bytes"] == m.sum() // world // world * world
-        assert 0 <= m.sum() - row["balanced_total_bytes"] < world * world
+        pair_bytes = balanced_pair_rows(world, int(m.sum()) // row["row_bytes"]) * row["row_bytes"]
+        assert row["balanced_total_bytes"] == m.sum() == pair_bytes.sum()
+        assert row["balanced_size_bytes"] == max(pair_bytes.sum(axis=0).max(), pair_bytes.sum(axis=1).max())
+        assert row["balanced_size_bytes"] <= row["size_bytes"]  # skew never makes the busiest rank lighter
         assert row["balanced_time_us_p50"] > 0 and row["skew_cost"] > 0
         assert row["skew_cost"] == pytest.approx(row["time_us_p50"] / row["balanced_time_us_p50"])
+        assert row["skew_bw_loss_pct"] == pytest.approx(100 * (1 - 1 / row["skew_cost"]))
 
 
 def test_gloo_world4_two_domains_link_classes_and_imbalance_cost():

@@ -4,7 +4,14 @@ import torch
 
 from commbench.errors import UsageError
 from commbench.models import ModelConfig
-from commbench.plan import plan_balanced, plan_rank, receive_offsets, row_matrix
+from commbench.plan import (
+    balanced_pair_rows,
+    plan_balanced,
+    plan_balanced_moe,
+    plan_rank,
+    receive_offsets,
+    row_matrix,
+)
 from commbench.routing import Routing
 
 # 8 experts over 4 ranks: experts 2r and 2r+1 live on rank r.
@@ -118,6 +125,69 @@ def test_plan_balanced_one_row_per_destination():
     assert plan.combine_row_bytes == 0
     with pytest.raises(UsageError, match="smaller than the world size"):
         plan_balanced(0, 8, 4)
+
+
+def test_balanced_pair_rows_equal_splits_and_remainder_on_diagonals():
+    assert balanced_pair_rows(4, 32).tolist() == [[2] * 4] * 4
+    rows = balanced_pair_rows(3, 3 * 9 + 4)  # 3 per pair, 4 extra rows: shift 0 (the diagonal), then (0, 1)
+    assert rows.tolist() == [[4, 4, 3], [3, 4, 3], [3, 3, 4]]
+    for world, total in [(4, 0), (4, 5), (4, 1037), (8, 64 * 7 + 63), (1, 9)]:
+        rows = balanced_pair_rows(world, total)
+        assert rows.dtype == np.int64 and rows.sum() == total
+        assert set(np.unique(rows)) <= {total // world**2, total // world**2 + 1}
+        for sums in (rows.sum(axis=1), rows.sum(axis=0)):  # every rank sends / receives the same, +-1 row
+            assert sums.max() - sums.min() <= 1
+
+
+@pytest.mark.parametrize("send_mode", ["token", "selection"])
+def test_plan_balanced_moe_has_the_skewed_total_spread_evenly_in_plan_layout(send_mode):
+    world, tokens, per_rank = 4, 5, 2
+    skewed = [plan_rank(toy_routing(rank), TOY, world, send_mode) for rank in range(world)]
+    total = int(row_matrix(skewed).sum())  # 28 token rows / 44 selection rows: not a multiple of 16
+    plans = [
+        plan_balanced_moe(rank, world, total, tokens, 40, 32, send_mode, experts_per_rank=per_rank)
+        for rank in range(world)
+    ]
+    assert row_matrix(plans).sum() == total
+    assert (row_matrix(plans) == balanced_pair_rows(world, total)).all()
+    for plan in plans:
+        assert (plan.send_mode, plan.num_tokens, plan.dispatch_row_bytes, plan.combine_row_bytes) == (
+            send_mode,
+            tokens,
+            40,
+            32,
+        )
+        assert plan.static_recv_counts is None  # counts are exchanged, as in the skewed dispatch
+        token, key = plan.send_token_index.tolist(), plan.send_key.tolist()
+        if send_mode == "token":
+            assert plan.send_counts.shape == (world, 1)
+            dst = key
+            pairs = list(zip(dst, token, strict=True))  # (destination, token) ascending and never repeated
+        else:
+            assert plan.send_counts.shape == (world, per_rank)
+            # Per-expert counts of one destination differ by at most one row.
+            spread = plan.send_counts.max(dim=1).values - plan.send_counts.min(dim=1).values
+            assert spread.max() <= 1
+            dst = [k // per_rank for k in key]
+            pairs = list(zip(key, token, strict=True))  # (expert, token) ascending and never repeated
+        assert pairs == sorted(set(pairs))
+        assert [plan.segment(d) for d in range(world)] == [
+            slice(dst.index(d), dst.index(d) + dst.count(d)) for d in range(world)
+        ]
+        # Tokens carry about the same number of rows; a token's weights sum to 1.
+        rows_of_token = torch.bincount(plan.send_token_index, minlength=tokens)
+        assert rows_of_token.max() - rows_of_token.min() <= 1
+        weight_sum = torch.zeros(tokens).index_add_(0, plan.send_token_index, plan.combine_weight)
+        assert torch.allclose(weight_sum[rows_of_token > 0], torch.ones(1))
+
+
+def test_plan_balanced_moe_rejects_too_few_tokens_and_bad_mode():
+    with pytest.raises(ValueError, match="tokens per rank"):
+        plan_balanced_moe(0, 2, 4 * 6, 5, 8, 8)  # 6 rows per pair but 5 tokens: a token would repeat
+    plan = plan_balanced_moe(0, 2, 4 * 6, 3, 8, 8, "selection", experts_per_rank=2)  # 2 experts x 3 tokens
+    assert plan.send_counts.tolist() == [[3, 3], [3, 3]]
+    with pytest.raises(UsageError, match="send mode"):
+        plan_balanced_moe(0, 2, 8, 4, 8, 8, send_mode="tokens")
 
 
 def test_receive_offsets_is_prefix_sum_over_sources():

@@ -11,6 +11,7 @@ from commbench.errors import CommError, UsageError, VerificationError
 from commbench.harness import Job, RunOptions, run_jobs
 from commbench.models import ModelConfig
 from commbench.pattern import build_pattern
+from commbench.plan import balanced_pair_rows
 from commbench.routing import RoutingConfig
 from commbench.skew import parse_skew
 
@@ -161,11 +162,14 @@ def test_mock_imbalance_cost_matches_the_time_model():
     for row in rows:
         assert (row["num_domains"], row["layout_source"]) == (4, "override")
         assert row["nvlink_bytes"] + row["scaleout_bytes"] == row["link_bytes"] > 0
-        size = row["total_bytes"] // 16
-        assert row["balanced_size_bytes"] == size // 16 * 16
-        # The mock's balanced time: latency + one rank's link bytes (15 of its 16 equal segments) / 100 GB/s.
+        # The reference: the same rows, each pair total / 16^2 rows (+1 for the remainder, on diagonals).
+        pairs = balanced_pair_rows(16, row["total_bytes"] // row["row_bytes"]) * row["row_bytes"]
+        link = pairs - np.diag(np.diag(pairs))
+        assert row["balanced_total_bytes"] == row["total_bytes"]
+        assert row["balanced_size_bytes"] == max(pairs.sum(axis=0).max(), pairs.sum(axis=1).max())
+        # The mock's balanced time: latency + the busiest rank's link bytes (self excluded) / 100 GB/s.
         assert row["balanced_time_us_p50"] == pytest.approx(modelled_us({
-            "max_send_link_bytes": size // 16 * 15, "max_recv_link_bytes": 0
+            "max_send_link_bytes": link.sum(axis=1).max(), "max_recv_link_bytes": link.sum(axis=0).max()
         }))  # fmt: skip
         assert row["skew_cost"] == pytest.approx(row["time_us_p50"] / row["balanced_time_us_p50"])
         assert row["skew_cost"] > 1.0  # two hot experts: their ranks receive far more than the mean
