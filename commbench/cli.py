@@ -7,6 +7,7 @@ code 2. Errors never print a traceback unless COMMBENCH_DEBUG=1.
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import os
 import re
 import sys
@@ -62,27 +63,60 @@ class ByteSize(click.ParamType):
 BYTES = ByteSize()
 
 
-def _parse_backend_options(pairs: tuple[str, ...]) -> dict[str, Any]:
-    """KEY=VALUE pairs; values become int, float or bool where they look like one."""
-    options: dict[str, Any] = {}
+def _option_value(text: str) -> Any:
+    """One --backend-option value: int, float or bool where it looks like one, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            continue
+    return text
+
+
+@dataclass(frozen=True)
+class BackendOptionSweep:
+    """``--backend-option KEY=V1,V2,...`` values: keys with one value are fixed, keys with several are swept
+    (the cartesian product, first key outermost, in the order given)."""
+
+    fixed: dict[str, Any]
+    swept: dict[str, list[Any]]
+
+    def settings(self) -> list[dict[str, Any]]:
+        """Every combination of the swept values ([{}] when nothing is swept)."""
+        keys = list(self.swept)
+        return [dict(zip(keys, values, strict=True)) for values in itertools.product(*self.swept.values())]
+
+
+def parse_backend_option_sweep(pairs: tuple[str, ...]) -> BackendOptionSweep:
+    """KEY=VALUE or KEY=V1,V2,... pairs (each key once); UsageError naming the bad pair."""
+    fixed: dict[str, Any] = {}
+    swept: dict[str, list[Any]] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
-        if not sep or not key.strip():
+        key = key.strip()
+        if not sep or not key:
             raise UsageError(
-                f"--backend-option {pair!r} is not KEY=VALUE; e.g. --backend-option num_blocks=24"
+                f"--backend-option {pair!r} is not KEY=VALUE; e.g. --backend-option num_blocks=24 "
+                "(or num_blocks=16,32,64 to sweep)"
             )
-        value: Any = text
-        if text.lower() in ("true", "false"):
-            value = text.lower() == "true"
+        if key in fixed or key in swept:
+            raise UsageError(
+                f"--backend-option {key} is given twice; list its values once, e.g. {key}=V1,V2 to sweep"
+            )
+        texts = [part.strip() for part in text.split(",")]
+        if not all(texts):
+            raise UsageError(
+                f"--backend-option {pair!r} has an empty value; give {key}=VALUE or {key}=V1,V2,... "
+                "without empty entries"
+            )
+        values = list(dict.fromkeys(_option_value(part) for part in texts))  # a repeated value runs once
+        if len(values) == 1:
+            fixed[key] = values[0]
         else:
-            for cast in (int, float):
-                try:
-                    value = cast(text)
-                    break
-                except ValueError:
-                    continue
-        options[key.strip()] = value
-    return options
+            swept[key] = values
+    return BackendOptionSweep(fixed, swept)
 
 
 def under_torchrun() -> bool:
@@ -145,6 +179,27 @@ def check_backend_available(backend: str) -> None:
     check = getattr(get_backend(backend), "check_available", None)
     if callable(check):
         check()
+
+
+def check_backend_options(backend: str, option_sets: list[dict[str, Any]]) -> None:
+    """Every option set through the backend's ``check_options`` classmethod (where it has one), so a bad
+    key or value, in any setting of a sweep, fails with one line before the launch."""
+    from commbench.backends import get_backend
+
+    check = getattr(get_backend(backend), "check_options", None)
+    if callable(check):
+        for options in option_sets:
+            check(options)
+
+
+def sweep_jobs(jobs: list[Any], settings: list[dict[str, Any]]) -> list[Any]:
+    """The jobs once per knob setting (setting outermost, so each setting's backend is built once); a
+    single empty setting leaves the jobs as they are."""
+    from dataclasses import replace
+
+    if settings == [{}]:
+        return list(jobs)
+    return [replace(job, backend_options=dict(setting)) for setting in settings for job in jobs]
 
 
 @dataclass
@@ -280,6 +335,12 @@ class LaunchPlan:
     meta: dict[str, Any]
     total_steps: int
     progress: bool = True
+    swept_keys: tuple[str, ...] = ()  # knobs a --backend-option sweep varies (named in progress lines)
+
+
+def _sweep_text(sweep: BackendOptionSweep) -> str:
+    """The swept values for the start-up line, e.g. "chunk_rows=4,16 x signal=chunk,segment"."""
+    return " x ".join(f"{key}={','.join(str(v) for v in values)}" for key, values in sweep.swept.items())
 
 
 def _job_steps(job: Any) -> int:
@@ -303,10 +364,21 @@ def _prepare_out(out: str | None) -> str:
 class _Progress:
     """'[3/7] deepseek-v3 zipf:1.2 dispatch ...' lines on stderr after each finished phase (rank 0)."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    def __init__(self, total: int, enabled: bool, swept_keys: tuple[str, ...] = ()) -> None:
         self.total = total
         self.done = 0
         self.enabled = enabled
+        self.swept_keys = swept_keys
+
+    def _setting(self, record: dict[str, Any]) -> str:
+        """The swept knobs of a row (effective values) for its progress line, e.g. " [chunk_rows=4]"."""
+        from commbench.report import parse_knobs
+
+        knobs = parse_knobs(record.get("knobs"))
+        prefix = f"{record.get('backend_name')}_"  # sim and mock report their options as "<name>_<option>"
+        values = {key: knobs.get(key, knobs.get(prefix + key)) for key in self.swept_keys}
+        shown = [f"{key}={value}" for key, value in values.items() if value is not None]
+        return f" [{' '.join(shown)}]" if shown else ""
 
     def __call__(self, rows: list[dict[str, Any]]) -> None:
         from commbench.report import format_bandwidth, results_frame
@@ -320,7 +392,7 @@ class _Progress:
             skew = record.get("skew")
             case = "alltoall" if record.get("phase") == "alltoall" else f"{skew} {record.get('phase')}"
             _echo_err(
-                f"[{self.done}/{self.total}] {record.get('pattern')} {case}: "
+                f"[{self.done}/{self.total}] {record.get('pattern')} {case}{self._setting(record)}: "
                 f"size {int(record['size_bytes'])} B, "
                 f"{record['time_us_p50']:.1f} us, busbw {format_bandwidth(record['busbw_GBps'])} GB/s, "
                 f"#wrong {record.get('wrong')}"
@@ -345,7 +417,7 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
     writer = ReportWriter(plan.out_dir, {**plan.meta, "env": env, "topology": topology.to_meta()})
     if plan.progress:
         _echo_err(f"commbench: topology: {topology.describe()}")
-    progress = _Progress(plan.total_steps, plan.progress)
+    progress = _Progress(plan.total_steps, plan.progress, plan.swept_keys)
 
     def sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
         writer.add(rows, rank_rows)
@@ -601,8 +673,10 @@ def run_options(func: Callable[..., Any]) -> Callable[..., Any]:
             "--backend-option",
             "backend_option_pairs",
             multiple=True,
-            metavar="KEY=VALUE",
-            help="Backend knob (repeatable), e.g. num_blocks=24; lands in every result row.",
+            metavar="KEY=VALUE[,VALUE...]",
+            help="Backend knob (repeatable), e.g. num_blocks=24; lands in every result row. Several values "
+            "(num_blocks=16,32,64) sweep them: every combination of the listed values runs in this one "
+            "launch and report folder.",
         ),
         click.option(
             "--warmup",
@@ -730,7 +804,7 @@ def run(
     from commbench.harness import Job, RunOptions
 
     world = resolve_world_size(world_size)
-    backend_options = _parse_backend_options(backend_option_pairs)
+    sweep = parse_backend_option_sweep(backend_option_pairs)
     fabric = FabricInputs(spec_text or _default_spec(), ranks_per_domain, ranks_per_host)
     system, _, spec_meta = prepare_fabric(fabric, world)
     if pattern_kind == "balanced":
@@ -745,11 +819,18 @@ def run(
     if backend != "auto":
         check_backend_available(backend)
     chosen, reason = resolve_backend(backend, world)
+    backend_options = sweep.fixed
     if chosen == "sim":
         backend_options = sim_backend_options(backend_options, fabric)
+    settings = sweep.settings()
+    check_backend_options(chosen, [{**backend_options, **setting} for setting in settings])
+    jobs = sweep_jobs(jobs, settings)
     out_dir = _prepare_out(out)
     if _is_rank0():
-        _echo_err(f"commbench: backend {reason}; {world} ranks; spec {system.name}; report folder {out_dir}")
+        swept = f"; {len(settings)} knob settings ({_sweep_text(sweep)})" if sweep.swept else ""
+        _echo_err(
+            f"commbench: backend {reason}; {world} ranks; spec {system.name}{swept}; report folder {out_dir}"
+        )
     args = {
         "pattern": pattern_kind,
         "model": model_name if pattern_kind == "moe" else None,
@@ -761,7 +842,8 @@ def run(
         "seed": seed,
         "world_size": world,
         "backend": chosen,
-        "backend_options": backend_options,
+        "backend_options": {**backend_options, **sweep.swept},
+        "knob_settings": len(settings),
         "warmup": warmup,
         "iters": iters,
         "timeout_s": timeout_s,
@@ -786,6 +868,7 @@ def run(
         out_dir=out_dir,
         meta={**_run_meta("run", args, reason), **spec_meta},
         total_steps=sum(_job_steps(job) for job in jobs),
+        swept_keys=tuple(sweep.swept),
     )
     _launch(plan, world, chosen, timeout_s)
     if _is_rank0():

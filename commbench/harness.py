@@ -14,6 +14,11 @@ or ``scaleout`` (another domain), by the run's layout (``gather_topology``: each
 gathered, or the ``ranks_per_domain`` / ``ranks_per_host`` overrides). Rows store bytes only; the report
 derives the per-class bandwidths against a spec.
 
+Knob sweeps: a job may carry its own backend options (``Job.backend_options``, over
+``RunOptions.backend_options``); consecutive jobs with the same effective options share one backend, and the
+previous one is closed before the next setting's backend is built. Every result and rank row carries the
+backend's ``knobs()`` as columns and as one ``knobs`` text cell ("chunk_rows=4 signal=chunk ...").
+
 Imbalance cost (``RunOptions.imbalance_cost``): after an MoE job's two phases, the same launch runs
 both phases again through the same code path (counts exchange + ``backend.dispatch``, then
 ``backend.combine`` with its weighted reduction, both verified the same way) on a balanced layout
@@ -68,6 +73,9 @@ class Job:
     sizes: list[int] = field(default_factory=list)  # balanced: bytes each rank sends in total
     warmup: int = 5
     iters: int = 20
+    # This job's backend options (a knob setting of a sweep), laid over RunOptions.backend_options; jobs
+    # with the same effective options share one backend instance, built when the setting changes.
+    backend_options: dict[str, Any] | None = None
 
 
 @dataclass
@@ -209,7 +217,9 @@ def run_jobs(
     _check(comm, jobs, opts)
     if topology is None:
         topology = gather_topology(comm, opts)
-    backend = get_backend(opts.backend)(comm, opts.backend_options)
+    backend_class = get_backend(opts.backend)
+    backend: Backend | None = None
+    backend_key: tuple[tuple[str, str], ...] | None = None
     rows: list[dict] = []
     rank_rows: list[dict] = []
 
@@ -223,15 +233,53 @@ def run_jobs(
 
     try:
         for job in jobs:
+            options = job_backend_options(job, opts)
+            key = _options_key(options)
+            if backend is None or key != backend_key:
+                # One live backend at a time: a knob setting's buffers go before the next one's are made.
+                if backend is not None:
+                    closing, backend = backend, None
+                    closing.close()
+                backend = backend_class(comm, options)
+                backend_key = key
             run = _run_moe if job.kind == "moe" else _run_balanced
             failures = run(comm, backend, job, opts, topology, emit)
             if failures:
-                raise VerificationError(f"job {job.name!r}: data verification failed: {'; '.join(failures)}")
+                setting = f" ({knobs_text(job.backend_options)})" if job.backend_options else ""
+                raise VerificationError(
+                    f"job {job.name!r}{setting}: data verification failed: {'; '.join(failures)}"
+                )
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
         _cached_plan.cache_clear()
         _cached_routing.cache_clear()
     return rows, rank_rows
+
+
+def job_backend_options(job: Job, opts: RunOptions) -> dict[str, Any]:
+    """The options the job's backend is built with: the run's, overlaid with the job's own setting."""
+    return {**opts.backend_options, **(job.backend_options or {})}
+
+
+def _options_key(options: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), repr(v)) for k, v in options.items()))
+
+
+def knobs_text(knobs: dict[str, Any]) -> str:
+    """A knob setting as one text cell (the ``knobs`` column), e.g. "num_blocks=32 chunk_bytes=262144"."""
+    return " ".join(f"{key}={value}" for key, value in knobs.items())
+
+
+def row_knobs(backend: Backend, job: Job) -> dict[str, Any]:
+    """The backend's knobs (``knobs()``, effective values), then any option of the job's own setting that
+    the backend does not report (as itself or as "<backend>_<option>", as sim and mock do), so the rows of a
+    sweep's settings always differ in the ``knobs`` column."""
+    knobs = dict(backend.knobs())
+    for key, value in (job.backend_options or {}).items():
+        if f"{backend.name}_{key}" not in knobs:
+            knobs.setdefault(key, value)
+    return knobs
 
 
 def _timed_phase(
@@ -349,6 +397,7 @@ def _phase_rows(
         "wrong": int(sum(r.wrong for r in results)),
         **imbalance,
         **backend.knobs(),
+        "knobs": knobs_text(row_knobs(backend, job)),
     }
     rank_case = {k: case[k] for k in ("skew", "send_mode", "tokens_per_rank")}
     per_rank = per_rank_link_bytes(matrix, domains)
@@ -377,6 +426,7 @@ def _phase_rows(
             "sent_bytes": int(sent[rank]),
             "recv_bytes": int(received[rank]),
             "self_bytes": int(per_rank["self_bytes"][rank]),
+            "knobs": row["knobs"],
         }
         for name, (out, into) in classes.items():
             record[f"{name}_sent_bytes"] = int(out[rank])

@@ -14,6 +14,7 @@ import io
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -310,9 +311,49 @@ def _fmt_pct(value: Any) -> str:
     return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}"
 
 
+# Knob sweeps: rows carry the backend's knobs as one "knobs" cell ("chunk_rows=4 signal=chunk ..."); the
+# tables and plots show a "knobs" column with the knobs whose values differ between rows, and nothing when
+# every row ran with the same setting.
+KNOB_SETTING_COLUMN = "knob_setting"
+_KNOB_SPLIT = re.compile(r"\s+(?=[A-Za-z_][\w.-]*=)")
+
+
+def parse_knobs(text: Any) -> dict[str, str]:
+    """The ``knobs`` cell as a dict: "chunk_rows=4 signal=chunk" -> {"chunk_rows": "4", "signal": "chunk"}."""
+    if _is_missing(text) or not str(text).strip():
+        return {}
+    pairs = (part.partition("=") for part in _KNOB_SPLIT.split(str(text).strip()))
+    return {key: value for key, _, value in pairs}
+
+
+def varying_knobs(frame: pd.DataFrame) -> pd.Series | None:
+    """Per row, "key=value ..." of the knobs whose values differ between the rows (a sweep's setting);
+    None when the rows have no ``knobs`` column or all share one setting."""
+    if frame.empty or "knobs" not in frame.columns:
+        return None
+    parsed = [parse_knobs(text) for text in frame["knobs"]]
+    keys = dict.fromkeys(key for knobs in parsed for key in knobs)
+    varying = [key for key in keys if len({knobs.get(key) for knobs in parsed}) > 1]
+    if not varying:
+        return None
+    cells = [" ".join(f"{key}={knobs[key]}" for key in varying if key in knobs) for knobs in parsed]
+    return pd.Series(cells, index=frame.index, dtype=object)
+
+
+def with_knob_setting(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` plus the display column ``knob_setting`` (``varying_knobs``) when knobs vary."""
+    setting = varying_knobs(frame)
+    if setting is None:
+        return frame
+    out = frame.copy()
+    out[KNOB_SETTING_COLUMN] = setting
+    return out
+
+
 # (column, header, formatter) for the per-pattern tables of summary.md and report.html.
 _BALANCED_TABLE = (
     ("backend", "backend", _fmt_text),
+    (KNOB_SETTING_COLUMN, "knobs", _fmt_text),
     ("size_bytes", "size(B)", _fmt_size),
     ("time_us_p50", "time p50(us)", _fmt_time),
     ("time_us_min", "min(us)", _fmt_time),
@@ -324,6 +365,7 @@ _BALANCED_TABLE = (
 )
 _MOE_TABLE = (
     ("backend", "backend", _fmt_text),
+    (KNOB_SETTING_COLUMN, "knobs", _fmt_text),
     ("skew", "skew", _fmt_text),
     ("send_mode", "send mode", _fmt_text),
     ("tokens_per_rank", "tokens/rank", _fmt_int),
@@ -413,6 +455,11 @@ def format_table(frame: pd.DataFrame) -> str:
         ("pct_spec", "%spec", _fmt_pct, 6),
         ("wrong", "#wrong", _fmt_int, 6),
     )
+    setting = varying_knobs(frame)
+    if setting is not None:  # a sweep: the setting of each row, last (left-aligned text)
+        frame = frame.assign(**{KNOB_SETTING_COLUMN: setting})
+        columns = (*columns, (KNOB_SETTING_COLUMN, "knobs", _fmt_text, 5))
+    text_columns = {0, 1, 2, len(columns) - 1} if setting is not None else {0, 1, 2}
     lines = []
     if not frame.empty:
         first = frame.iloc[0]
@@ -434,7 +481,7 @@ def format_table(frame: pd.DataFrame) -> str:
 
     def line(prefix: str, cells: list[str]) -> str:
         aligned = [
-            text.ljust(w) if i < 3 else text.rjust(w)
+            text.ljust(w) if i in text_columns else text.rjust(w)
             for i, (text, w) in enumerate(zip(cells, widths, strict=True))
         ]
         return prefix + " ".join(aligned).rstrip()
@@ -714,12 +761,23 @@ _SKEW_COST_TABLE: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
 )
 
 
+def _with_knob_cells(
+    table: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...], frame: pd.DataFrame
+) -> tuple[tuple[str, Callable[[dict[str, Any]], str]], ...]:
+    """``table`` with a "knobs" column after "phase" when ``frame`` has a knob setting column."""
+    if KNOB_SETTING_COLUMN not in frame.columns:
+        return table
+    at = [header for header, _ in table].index("phase") + 1
+    return (*table[:at], ("knobs", _column(KNOB_SETTING_COLUMN, _fmt_text)), *table[at:])
+
+
 def link_class_table(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]] | None:
     """Per-link-class bytes and bandwidths of every result row; None for rows without link-class columns."""
     if frame.empty or "nvlink_bytes" not in frame.columns:
         return None
     records = frame.to_dict("records")
-    return [h for h, _ in _LINK_CLASS_TABLE], [[cell(r) for _, cell in _LINK_CLASS_TABLE] for r in records]
+    table = _with_knob_cells(_LINK_CLASS_TABLE, frame)
+    return [h for h, _ in table], [[cell(r) for _, cell in table] for r in records]
 
 
 def skew_cost_table(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]] | None:
@@ -730,7 +788,8 @@ def skew_cost_table(frame: pd.DataFrame) -> tuple[list[str], list[list[str]]] | 
     if rows.empty:
         return None
     records = rows.to_dict("records")
-    return [h for h, _ in _SKEW_COST_TABLE], [[cell(r) for _, cell in _SKEW_COST_TABLE] for r in records]
+    table = _with_knob_cells(_SKEW_COST_TABLE, frame)
+    return [h for h, _ in table], [[cell(r) for _, cell in table] for r in records]
 
 
 def link_class_legend(spec: BandwidthSpec) -> str:
@@ -770,6 +829,7 @@ SKEW_COST_NOTE = (
 
 
 def summary_markdown(frame: pd.DataFrame, meta: dict[str, Any], spec: BandwidthSpec) -> str:
+    frame = with_knob_setting(frame)
     parts = ["# commbench report", ""]
     if _any_emulated(frame):
         parts += ["**Emulated backend: times and bandwidths below are not hardware measurements.**", ""]
@@ -815,10 +875,12 @@ def _plot_balanced(frame: pd.DataFrame, spec: BandwidthSpec) -> str | None:
         return None
     figure = Figure(figsize=(8, 4.5))
     axes = figure.add_subplot()
-    for backend, group in balanced.groupby("backend", sort=False):
+    keys = ["backend", KNOB_SETTING_COLUMN] if KNOB_SETTING_COLUMN in balanced.columns else ["backend"]
+    for key, group in balanced.groupby(keys, sort=False):
+        name = " ".join(str(part) for part in key) if isinstance(key, tuple) else str(key)
         group = group.sort_values("size_bytes")
-        axes.plot(group["size_bytes"], group["busbw_GBps"], marker="o", label=f"{backend} busbw")
-        axes.plot(group["size_bytes"], group["algbw_GBps"], marker=".", ls=":", label=f"{backend} algbw")
+        axes.plot(group["size_bytes"], group["busbw_GBps"], marker="o", label=f"{name} busbw")
+        axes.plot(group["size_bytes"], group["algbw_GBps"], marker=".", ls=":", label=f"{name} algbw")
     axes.axhline(spec.per_gpu_GBps_per_direction, color="red", linestyle="--", label=f"spec {spec.name}")
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
@@ -837,6 +899,8 @@ def _case_label(record: dict[str, Any]) -> str:
     else:
         parts.append(_fmt_text(record.get("skew")))
     parts.append(_fmt_text(record.get("phase")))
+    if not _is_missing(record.get(KNOB_SETTING_COLUMN)):
+        parts.append(str(record[KNOB_SETTING_COLUMN]))
     return "\n".join(parts)
 
 
@@ -850,7 +914,8 @@ def _plot_per_gpu_vs_spec(frame: pd.DataFrame, spec: BandwidthSpec) -> str | Non
     balanced = frame[frame["phase"] == "alltoall"] if "phase" in frame else frame.iloc[0:0]
     balanced = balanced[np.isfinite(balanced["busbw_GBps"].astype(float))] if not balanced.empty else balanced
     if not balanced.empty:
-        balanced = balanced.sort_values("busbw_GBps").groupby("backend", sort=False).tail(1)
+        keys = ["backend", KNOB_SETTING_COLUMN] if KNOB_SETTING_COLUMN in balanced.columns else ["backend"]
+        balanced = balanced.sort_values("busbw_GBps").groupby(keys, sort=False).tail(1)
     cases = pd.concat([balanced, moe])
     cases = cases[np.isfinite(cases["per_gpu_GBps"].astype(float))]
     if cases.empty:
@@ -888,10 +953,12 @@ def _rank_case_title(values: dict[str, Any]) -> str:
         parts.append(f"{values['send_mode']} mode")
     if not _is_missing(values.get("tokens_per_rank")):
         parts.append(f"{int(values['tokens_per_rank'])} tokens/rank")
+    if not _is_missing(values.get(KNOB_SETTING_COLUMN)):
+        parts.append(str(values[KNOB_SETTING_COLUMN]))
     return ", ".join(parts)
 
 
-_RANK_CASE_KEYS = ("pattern", "skew", "send_mode", "tokens_per_rank", "size_bytes")
+_RANK_CASE_KEYS = ("pattern", "skew", "send_mode", "tokens_per_rank", "size_bytes", KNOB_SETTING_COLUMN)
 _MAX_RANK_PLOTS = 12
 
 
@@ -944,6 +1011,8 @@ img { max-width: 100%; }
 def report_html(frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any], spec: BandwidthSpec) -> str:
     """A self-contained HTML page: conventions, environment, tables and plots (PNG embedded as base64)."""
     esc = html.escape
+    frame = with_knob_setting(frame)
+    ranks = with_knob_setting(ranks)
     body = ["<h1>commbench report</h1>"]
     if _any_emulated(frame):
         body.append('<p class="warning">Emulated backend: times and bandwidths are not hardware figures.</p>')

@@ -14,7 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from commbench.cli import balanced_sizes, cli, default_out_dir
+from commbench.cli import balanced_sizes, cli, default_out_dir, parse_backend_option_sweep
 from commbench.errors import UsageError
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -193,6 +193,56 @@ def test_balanced_size_errors(tmp_path: Path) -> None:
     assert_usage_error(invoke([*base, "--min-bytes", "4K", "--max-bytes", "1K"]), "--min-bytes")
     assert_usage_error(invoke([*base, "--step-factor", "1"]), "--step-factor")
     assert_usage_error(invoke([*base, "--min-bytes", "1", "--max-bytes", "2"]), "world size")
+    assert not out.exists()
+
+
+def test_backend_option_sweep_parsing() -> None:
+    sweep = parse_backend_option_sweep(("chunk_rows=4,16", "signal=chunk,segment", "signal_op=add", "x=1.5"))
+    assert sweep.fixed == {"signal_op": "add", "x": 1.5}
+    assert sweep.swept == {"chunk_rows": [4, 16], "signal": ["chunk", "segment"]}
+    assert sweep.settings() == [  # cartesian product, first key outermost
+        {"chunk_rows": 4, "signal": "chunk"},
+        {"chunk_rows": 4, "signal": "segment"},
+        {"chunk_rows": 16, "signal": "chunk"},
+        {"chunk_rows": 16, "signal": "segment"},
+    ]
+    assert parse_backend_option_sweep(("num_blocks=32", "flag=true")).settings() == [{}]
+    assert parse_backend_option_sweep(("num_blocks=32,32",)).fixed == {"num_blocks": 32}  # runs once
+    for pairs, fragment in (
+        (("num_blocks",), "not KEY=VALUE"),
+        (("=3",), "not KEY=VALUE"),
+        (("num_blocks=",), "empty value"),
+        (("num_blocks=16,,32",), "empty value"),
+        (("signal=chunk", "signal=segment"), "given twice"),
+    ):
+        with pytest.raises(UsageError, match=fragment):
+            parse_backend_option_sweep(pairs)
+
+
+@pytest.mark.parametrize(
+    ("backend", "option", "fragment"),
+    [
+        ("shmem-emu", "num_blocks=abc", "no option(s) num_blocks"),
+        ("shmem-emu", "chunk_rows=4,abc", "chunk_rows='abc' is not an integer"),  # the 2nd setting is bad
+        ("shmem-emu", "signal=chunk,bogus", "signal='bogus' is unknown"),
+        ("shmem-emu", "chunk_rows=", "empty value"),
+        ("mock", "link_GBps=1,0", "must be positive"),
+        ("sim", "nvlink_efficiency=0.5,abc", "must be a number"),
+        ("gloo", "num_blocks=8", "take no options"),
+    ],
+)
+def test_bad_backend_option_values_fail_before_launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, backend: str, option: str, fragment: str
+) -> None:
+    import commbench.dist
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched despite a bad --backend-option")
+
+    monkeypatch.setattr(commbench.dist, "launch", no_launch)
+    out = tmp_path / "out"
+    args = ["run", "--world-size", "2", "--backend", backend, "--backend-option", option, "--out", str(out)]
+    assert_usage_error(invoke(args), fragment)
     assert not out.exists()
 
 
@@ -381,6 +431,41 @@ def test_end_to_end_run_and_report(tmp_path: Path, small_model: Path) -> None:
     for name in REPORT_FILES:
         assert (out / name).is_file(), name
     assert "## What skew costs" in (out / "summary.md").read_text()  # re-rendered from results.csv
+
+
+def test_backend_option_sweep_in_one_launch(tmp_path: Path, small_model: Path) -> None:
+    # 2 x 2 knob settings of the put/signal protocol (CPU emulator), each dispatch + combine verified.
+    out = tmp_path / "sweep"
+    args = ["run", "--model", str(small_model), "--tokens", "32", "--backend", "shmem-emu", "--world-size"]
+    args += ["2", "--backend-option", "chunk_rows=4,16", "--backend-option", "signal=chunk,segment"]
+    args += ["--backend-option", "signal_op=add", "--warmup", "1", "--iters", "2", "--out", str(out)]
+    done = run_commbench(args, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "4 knob settings (chunk_rows=4,16 x signal=chunk,segment)" in done.stderr
+    assert "[1/8] small uniform dispatch [chunk_rows=4 signal=chunk]:" in done.stderr
+    assert "[8/8] small uniform combine [chunk_rows=16 signal=segment]:" in done.stderr
+    results = pd.read_csv(out / "results.csv")
+    assert results["phase"].tolist() == ["dispatch", "combine"] * 4
+    assert (results["wrong"] == 0).all() and (results["signal_op"] == "add").all()
+    assert results["chunk_rows"].tolist() == [4, 4, 4, 4, 16, 16, 16, 16]
+    assert results["signal"].tolist() == ["chunk", "chunk", "segment", "segment"] * 2
+    assert results["knobs"].nunique() == 4
+    assert results["knobs"][0] == "chunk_rows=4 signal=chunk signal_op=add"
+    assert set(pd.read_csv(out / "ranks.csv")["knobs"]) == set(results["knobs"])
+    # Tables show the knobs that vary (not signal_op): stdout's last column, summary's after the backend.
+    header = next(line for line in done.stdout.splitlines() if line.startswith("# pattern"))
+    assert header.split()[-1] == "knobs"
+    assert done.stdout.count("chunk_rows=16 signal=segment") == 2
+    summary = (out / "summary.md").read_text()
+    assert "| knobs " in summary and summary.count("| chunk_rows=4 signal=segment ") >= 2
+    assert "signal_op=add" not in summary.split("## Results")[1]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["args"]["backend_options"] == {
+        "signal_op": "add",
+        "chunk_rows": [4, 16],
+        "signal": ["chunk", "segment"],
+    }
+    assert meta["args"]["knob_settings"] == 4
 
 
 # ---------------------------------------------------------------------------------------------------------

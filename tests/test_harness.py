@@ -1,5 +1,6 @@
 """Harness: unit checks of the row math, and real gloo runs (few launches, several checks each)."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -14,6 +15,9 @@ from commbench.harness import (
     _byte_columns,
     _time_columns,
     imbalance_columns,
+    job_backend_options,
+    knobs_text,
+    row_knobs,
     run_jobs,
     skew_cost_columns,
 )
@@ -31,7 +35,7 @@ RESULT_KEYS = {
     "expert_max_mean", "maxvio", "expert_cv", "num_domains", "ranks_per_domain", "layout_source",
     "nvlink_bytes", "scaleout_bytes", "nvlink_bottleneck_rank", "nvlink_bottleneck_dir",
     "nvlink_bottleneck_bytes", "scaleout_bottleneck_rank", "scaleout_bottleneck_dir",
-    "scaleout_bottleneck_bytes",
+    "scaleout_bottleneck_bytes", "knobs",
 }  # fmt: skip
 IMBALANCE_KEYS = {
     "balanced_size_bytes", "balanced_total_bytes", "balanced_time_us_p50", "skew_cost", "skew_bw_loss_pct",
@@ -114,6 +118,57 @@ def test_skew_cost_columns():
     assert all(np.isnan(v) for v in skew_cost_columns(100.0, 1000, 0.0, 0).values())
 
 
+def test_knob_settings_build_one_backend_each_and_label_rows(monkeypatch: pytest.MonkeyPatch):
+    import threading
+
+    import commbench.harness
+    from commbench.backends.mock import MockBackend, run_threads
+
+    events: list[tuple[int, str, float]] = []
+    lock = threading.Lock()
+
+    class Recording(MockBackend):
+        def __init__(self, comm, options=None):
+            super().__init__(comm, options)
+            with lock:
+                events.append((comm.rank, "build", self.options["link_GBps"]))
+
+        def close(self):
+            with lock:
+                events.append((self.comm.rank, "close", self.options["link_GBps"]))
+            super().close()
+
+    monkeypatch.setattr(commbench.harness, "get_backend", lambda name: Recording)
+    job = moe_job(SMALL, 2, 16)
+    balanced = Job("balanced", "balanced", sizes=[64], warmup=0, iters=1)
+    # Two jobs per setting (setting outermost, as the CLI expands a sweep), the run's options underneath.
+    jobs = [replace(j, backend_options={"link_GBps": gbps}) for gbps in (50, 200) for j in (job, balanced)]
+    opts = RunOptions("mock", backend_options={"latency_us": 2})
+    rows, rank_rows = run_threads(2, lambda comm: run_jobs(comm, jobs, opts))
+    for rank in (0, 1):  # one backend per setting, the first closed before the second is built
+        mine = [(what, gbps) for r, what, gbps in events if r == rank]
+        assert mine == [("build", 50), ("close", 50), ("build", 200), ("close", 200)]
+    assert [r["mock_link_GBps"] for r in rows] == [50, 50, 50, 200, 200, 200]
+    assert all(r["mock_latency_us"] == 2 for r in rows)
+    # The knobs cell: the backend's knobs (mock reports link_GBps as mock_link_GBps).
+    assert rows[0]["knobs"] == "mock_link_GBps=50.0 mock_latency_us=2.0"
+    assert {r["knobs"] for r in rank_rows} == {rows[0]["knobs"], rows[-1]["knobs"]}
+    # Emulated times follow the setting: 4x the bandwidth, less time for the same bytes.
+    assert rows[3]["time_us_p50"] < rows[0]["time_us_p50"]
+    assert job_backend_options(jobs[0], opts) == {"latency_us": 2, "link_GBps": 50}
+    assert job_backend_options(job, opts) == {"latency_us": 2}
+
+
+def test_row_knobs_add_the_settings_options_the_backend_does_not_report():
+    backend = SimpleNamespace(name="emu", knobs=lambda: {"chunk_rows": 36, "emu_depth": 2, "signal": "chunk"})
+    job = Job("x", "balanced", sizes=[64], backend_options={"chunk_bytes": 4096, "chunk_rows": 8, "depth": 3})
+    # Effective values win (chunk_rows), "emu_depth" stands for depth; chunk_bytes is not reported: added.
+    knobs = row_knobs(backend, job)
+    assert knobs == {"chunk_rows": 36, "emu_depth": 2, "signal": "chunk", "chunk_bytes": 4096}
+    assert knobs_text(knobs) == "chunk_rows=36 emu_depth=2 signal=chunk chunk_bytes=4096"
+    assert row_knobs(backend, Job("x", "balanced")) == backend.knobs()
+
+
 def written_sink(written):
     return lambda rows, _: written.extend(rows)
 
@@ -168,6 +223,7 @@ def check_common(rows, imbalance_cost=False):
         assert row["backend"] == row["backend_name"] == "gloo" and row["emulated"] is False
         assert 0 < row["time_us_min"] <= row["time_us_p50"] <= row["time_us_p99"]
         assert row["link_bytes"] == row["total_bytes"] - row["self_bytes"]
+        assert row["knobs"] == ""  # gloo has no knobs
 
 
 def test_gloo_world2_moe_and_balanced_verified_and_match_patterns_and_corruption_detected():

@@ -31,17 +31,28 @@ class MockBackend(Backend):
     name = "mock"
     emulated = True
 
-    def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
-        super().__init__(comm, options)
-        unknown = set(self.options) - set(_DEFAULT_OPTIONS)
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """``options`` over the defaults, as floats (UsageError on a bad key or value)."""
+        unknown = set(options) - set(_DEFAULT_OPTIONS)
         if unknown:
             raise UsageError(
                 f"unknown mock option(s) {', '.join(sorted(unknown))}; "
                 f"accepted: {', '.join(_DEFAULT_OPTIONS)}"
             )
-        self.options = {**_DEFAULT_OPTIONS, **self.options}
-        if float(self.options["link_GBps"]) <= 0:
-            raise UsageError(f"mock link_GBps must be positive, got {self.options['link_GBps']}")
+        merged = {**_DEFAULT_OPTIONS, **options}
+        for key, value in merged.items():
+            try:
+                merged[key] = float(value)
+            except (TypeError, ValueError):
+                raise UsageError(f"mock option {key}={value!r} must be a number") from None
+        if merged["link_GBps"] <= 0:
+            raise UsageError(f"mock link_GBps must be positive, got {merged['link_GBps']}")
+        return merged
+
+    def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
+        super().__init__(comm, options)
+        self.options = self.check_options(self.options)
         self._peers: list[RankPlan] | None = None
         self._rows = np.zeros((0, 0), dtype=np.int64)
         self._recv_counts = torch.zeros(0, 1, dtype=torch.int64)

@@ -83,11 +83,19 @@ class NvshmemBackend(Backend):
         if not symm_mem.is_nvshmem_available():
             raise UsageError(f"--backend nvshmem {NEEDS}; this torch build reports no NVSHMEM")
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The settings of ``options``; UsageError on a bad key or value (the CLI checks before launching)."""
+        settings = proto.parse_backend_options(cls.name, options, OPTION_DEFAULTS)
+        for key, allowed in CHOICES.items():
+            settings[key] = proto.choice_option(settings, key, allowed)
+        for key, minimum in (("num_blocks", 0), ("num_warps", 1), ("chunk_rows", 1), ("chunk_bytes", 1)):
+            proto.int_option(settings, key, minimum)
+        return settings
+
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
-        self.settings = proto.parse_backend_options(self.name, self.options, OPTION_DEFAULTS)
-        for key, allowed in CHOICES.items():
-            self.settings[key] = proto.choice_option(self.settings, key, allowed)
+        self.settings = self.check_options(self.options)
         self.num_blocks = proto.int_option(self.settings, "num_blocks", 0) or 0
         self.num_warps = proto.int_option(self.settings, "num_warps", 1) or 16
         self.chunk_rows = proto.int_option(self.settings, "chunk_rows", 1)

@@ -110,11 +110,19 @@ class ShmemEmuBackend(Backend):
     name = "shmem-emu"
     emulated = True
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The settings of ``options``; UsageError on a bad key or value (the CLI checks before launching)."""
+        settings = proto.parse_backend_options(cls.name, options, OPTION_DEFAULTS)
+        settings["signal"] = proto.choice_option(settings, "signal", proto.GRANULARITIES)
+        settings["signal_op"] = proto.choice_option(settings, "signal_op", tuple(proto.SIGNAL_OPS))
+        for key in ("chunk_rows", "chunk_bytes"):
+            proto.int_option(settings, key, 1)
+        return settings
+
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
-        self.settings = proto.parse_backend_options(self.name, self.options, OPTION_DEFAULTS)
-        self.settings["signal"] = proto.choice_option(self.settings, "signal", proto.GRANULARITIES)
-        self.settings["signal_op"] = proto.choice_option(self.settings, "signal_op", tuple(proto.SIGNAL_OPS))
+        self.settings = self.check_options(self.options)
         self.chunk_rows = proto.int_option(self.settings, "chunk_rows", 1)
         self.chunk_bytes = proto.int_option(self.settings, "chunk_bytes", 1)
         if comm.device.type != "cpu":

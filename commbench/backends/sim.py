@@ -110,6 +110,11 @@ class SimBackend(Backend):
     name = "sim"
     emulated = True
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """Parsed ``options`` (UsageError on a bad key or value); the CLI calls it before launching."""
+        return parse_options(options)
+
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
         self.options = parse_options(self.options)

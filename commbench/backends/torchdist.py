@@ -28,6 +28,15 @@ def _grown(buffer: torch.Tensor | None, rows: int, shape: tuple[int, ...], dtype
 class TorchDistBackend(Backend):
     name = "torchdist"  # replaced by the process group's backend ("nccl" or "gloo") per instance
 
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """nccl and gloo take no options (UsageError otherwise); the CLI calls it before launching."""
+        if options:
+            raise UsageError(
+                f"backends nccl and gloo take no options, got {', '.join(sorted(options))}; remove them"
+            )
+        return {}
+
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
         if self.options:
