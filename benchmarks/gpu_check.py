@@ -5,21 +5,24 @@ Steps, each recorded even when an earlier one failed:
 1. environment: device, torch / Triton / NVSHMEM versions, the packages commbench imports;
 2. copy ceiling: a large device-to-device ``copy_`` timed with CUDA events; bandwidth counts bytes read +
    written (2 x size / time), the HBM figure the loopback put kernel is compared with;
-3. the project's CLI (``python -m commbench run``) at world size 1 on deepseek-v3, verification on:
-   NCCL, NVSHMEM puts (default knobs), and the torch ``all_to_all_vdev_2d`` reference variant;
+3. the project's CLI (``python -m commbench run``) at world size 1, verification on: NCCL and NVSHMEM puts
+   (default knobs) on deepseek-v3, and the torch ``all_to_all_vdev_2d`` reference variant on mixtral-8x22b
+   in selection mode (torch's kernels take at most 16 experts per rank; deepseek-v3 has 256 at world 1);
 4. loopback put kernel: this process as PE 0 of a one-rank job puts deepseek-v3 dispatch rows to itself;
    dispatch and combine are verified, then the put kernel alone is launched back to back under CUDA events
    for a few (num_blocks, chunk_bytes) settings; bandwidth = 2 x bytes / time (read + write, as the copy),
    reported as % of the copy ceiling (target >= 85 %).
 
-Writes gpu_check.json, gpu_check.csv and measurements.md (a section for docs/measurements.md) under --out,
-and prints a short table last. Exit 0 when every step passed and verification was clean, 1 otherwise,
-2 when there is no GPU.
+Writes gpu_check.json, gpu_check.csv, measurements.md (a section for docs/measurements.md) and cli_runs.log
+(the CLI runs' output) under --out, at most 8 files in all (the device tool returns no more); the CLI report
+folders go to a temporary folder. Prints a short table last. Exit 0 when every step passed and
+verification was clean, 1 otherwise, 2 when there is no GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import importlib
@@ -27,9 +30,12 @@ import importlib.metadata
 import json
 import os
 import platform
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -145,20 +151,34 @@ def copy_ceiling(size_bytes: int = 2 << 30, reps: int = 20) -> dict[str, Any]:
     }
 
 
-def cli_run(out: Path, name: str, args: list[str], timeout_s: float) -> dict[str, Any]:
-    folder = out / name
+def cli_run(out: Path, work: Path, name: str, args: list[str], timeout_s: float) -> dict[str, Any]:
+    """One ``commbench run`` (report folder under ``work``, output appended to ``out``/cli_runs.log)."""
+    folder = work / name
     command = [sys.executable, "-m", "commbench", "run", "--world-size", "1", "--out", str(folder), *args]
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    # Own session: on a timeout the spawned rank goes too, instead of spinning on the GPU as an orphan.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
     try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=REPO)
+        output, _ = process.communicate(timeout=timeout_s)
+        timed_out = False
     except subprocess.TimeoutExpired:
-        return {
-            "command": " ".join(command[1:]),
-            "status": "FAIL",
-            "error": f"timed out after {timeout_s:g} s",
-        }
-    (out / f"{name}.log").write_text(done.stdout + done.stderr)
-    result: dict[str, Any] = {"command": " ".join(command[1:]), "exit_code": done.returncode}
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        timed_out = True
+    with open(out / "cli_runs.log", "a") as log:
+        log.write(f"===== {name}: {' '.join(command[1:])}\n{output}\n")
+    result: dict[str, Any] = {"command": " ".join(command[1:]), "exit_code": process.returncode}
+    if timed_out:
+        return {**result, "status": "FAIL", "error": f"timed out after {timeout_s:g} s"}
     rows_path = folder / "results.json"
     if rows_path.exists():
         loaded = json.loads(rows_path.read_text())
@@ -168,10 +188,10 @@ def cli_run(out: Path, name: str, args: list[str], timeout_s: float) -> dict[str
             result[f"{phase}_us"] = row.get("time_us_p50")
             result[f"{phase}_algbw_GBps"] = row.get("algbw_GBps")
             result[f"{phase}_wrong"] = row.get("wrong")
-    tail = (done.stderr or done.stdout).strip().splitlines()
-    if done.returncode != 0:
-        result["error"] = tail[-1] if tail else f"exit {done.returncode}"
-    result["status"] = "ok" if done.returncode == 0 else "FAIL"
+    tail = output.strip().splitlines()
+    if process.returncode != 0:
+        result["error"] = tail[-1] if tail else f"exit {process.returncode}"
+    result["status"] = "ok" if process.returncode == 0 else "FAIL"
     return result
 
 
@@ -362,7 +382,11 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    (out / "cli_runs.log").unlink(missing_ok=True)
     sys.path.insert(0, str(REPO))
+    # One GPU, one host: NVSHMEM needs no network transport, and its unique-id bootstrap may use loopback.
+    os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
+    os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
 
     import torch
 
@@ -370,25 +394,32 @@ def main() -> int:
         print("gpu_check: no CUDA device on this machine; run it where a GPU is lent", file=sys.stderr)
         (out / "gpu_check.json").write_text(json.dumps({"status": "no GPU"}))
         return 2
+    work = Path(tempfile.mkdtemp(prefix="commbench-gpu-check-"))  # CLI report folders (many files)
     check = Check(out)
     check.step("environment", environment)
     check.step("copy ceiling", copy_ceiling)
-    common = ["--model", "deepseek-v3", "--tokens", str(args.tokens), "--warmup", "5", "--iters", "20"]
+    # --timeout also bounds the NVSHMEM signal waits: a broken kernel fails in 30 s instead of spinning.
+    timing = ["--tokens", str(args.tokens), "--warmup", "5", "--iters", "20", "--timeout", "30"]
+    common = ["--model", "deepseek-v3", *timing]
 
     def budget(limit: float) -> float:
         return max(10.0, min(limit, check.remaining(LOOPBACK_RESERVE_S)))
 
     nccl = [*common, "--backend", "nccl"]
-    check.step("nccl world 1", lambda: cli_run(out, "nccl", nccl, budget(90)), 30)
+    check.step("nccl world 1", lambda: cli_run(out, work, "nccl", nccl, budget(90)), 30)
     nvshmem = [*common, "--backend", "nvshmem"]
     check.step(
-        "nvshmem world 1", lambda: cli_run(out, "nvshmem", nvshmem, budget(120)), 30 + LOOPBACK_RESERVE_S
+        "nvshmem world 1",
+        lambda: cli_run(out, work, "nvshmem", nvshmem, budget(120)),
+        30 + LOOPBACK_RESERVE_S,
     )
     if not args.quick:
-        vdev = [*nvshmem, "--send-mode", "selection", "--backend-option", "variant=vdev2d"]
+        # all_to_all_vdev_2d takes <= 16 experts per rank: mixtral-8x22b (8 experts) in selection mode.
+        vdev = ["--model", "mixtral-8x22b", *timing, "--backend", "nvshmem", "--send-mode", "selection"]
+        vdev += ["--backend-option", "variant=vdev2d"]
         check.step(
             "nvshmem vdev2d world 1",
-            lambda: cli_run(out, "nvshmem_vdev2d", vdev, budget(90)),
+            lambda: cli_run(out, work, "nvshmem_vdev2d", vdev, budget(90)),
             30 + LOOPBACK_RESERVE_S,
         )
     configs: list[dict[str, Any]] = [{}]
@@ -407,9 +438,14 @@ def main() -> int:
     print()
     for row in table:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
-    print(f"\nresults in {out} (gpu_check.json, gpu_check.csv, measurements.md, *.log)")
+    print(f"\nresults in {out} (gpu_check.json, gpu_check.csv, measurements.md, cli_runs.log)")
+    shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Everything is written: skip interpreter teardown (NVSHMEM finalization with a live process group).
+    os._exit(code)

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One-command GPU check of the NCCL and NVSHMEM paths on one GPU, in under 5 minutes, installing nothing:
 # the NCCL backend at world size 1, the NVSHMEM backend with one PE (puts to itself) on deepseek-v3 dispatch
-# and combine with verification, the torch all_to_all_vdev_2d reference variant, and the device-to-device
-# copy bandwidth as the ceiling of the loopback put kernel (target >= 85 %).
+# and combine with verification, the torch all_to_all_vdev_2d reference variant (on mixtral-8x22b), and the
+# device-to-device copy bandwidth as the ceiling of the loopback put kernel (target >= 85 %).
 #
 #   bash benchmarks/gpu_check.sh [--quick] [--tokens N] [--loopback-tokens N]
 #
 # Uses the machine's python3 (or $PYTHON) with the repository on PYTHONPATH: it needs torch (CUDA build with
 # NVSHMEM), triton, nvidia-nvshmem, numpy, pandas, click, pyarrow, matplotlib, pyyaml, nvidia-ml-py.
-# Writes gpu_check.json, gpu_check.csv, gpu_check.log, measurements.md and the CLI report folders under
-# $OUT (default ./gpu_check_out); copy measurements.md into docs/measurements.md.
+# Writes gpu_check.json, gpu_check.csv, gpu_check.log, cli_runs.log and measurements.md (5 files) under
+# $OUT (default ./gpu_check_out); the CLI report folders go to a temporary folder. Copy measurements.md into
+# docs/measurements.md.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="${OUT:-./gpu_check_out}"

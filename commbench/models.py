@@ -115,7 +115,14 @@ def load_model(name_or_path: str) -> ModelConfig:
             raise UsageError(
                 f"model file {name_or_path} not found; pass a preset name or an existing YAML file"
             )
-        return _parse_model(path.read_text(), origin=str(path), default_name=path.stem)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+            raise UsageError(
+                f"model file {name_or_path} unreadable ({reason}); pass a YAML text file"
+            ) from None
+        return _parse_model(text, origin=str(path), default_name=path.stem)
     presets = _preset_files()
     entry = presets.get(name_or_path)
     if entry is None:

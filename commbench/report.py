@@ -658,18 +658,27 @@ def _jsonable(value: Any) -> Any:
 
 
 def results_json(frame: pd.DataFrame, meta: dict[str, Any], spec: BandwidthSpec) -> dict[str, Any]:
-    """nccl-tests-like JSON: args, env, results[] (size, time, alg_bw, bus_bw, wrong), average bus bw."""
+    """nccl-tests-like JSON: args, env, results[] (size, time, alg_bw, bus_bw, wrong), average bus bw.
+
+    Each result also carries nccl-tests' own ``-J`` layout (``out_of_place`` {time, alg_bw, bus_bw, nwrong},
+    ``in_place`` null: commbench runs one out-of-place exchange), so a parser of nccl-tests JSON reads it.
+    """
     env = meta.get("env") or {}
     results = []
     for record in frame.to_dict("records"):
         row = _plain_record(record)
+        figures = {
+            "time": row.get("time_us_p50"),
+            "alg_bw": row.get("algbw_GBps"),
+            "bus_bw": row.get("busbw_GBps"),
+        }
         results.append(
             {
                 "size": row.get("size_bytes"),
-                "time": row.get("time_us_p50"),
-                "alg_bw": row.get("algbw_GBps"),
-                "bus_bw": row.get("busbw_GBps"),
+                **figures,
                 "wrong": row.get("wrong"),
+                "out_of_place": {**figures, "nwrong": row.get("wrong")},
+                "in_place": None,
                 **row,
             }
         )

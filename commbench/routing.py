@@ -53,6 +53,9 @@ _SHARE_TOLERANCE = 1e-3
 _MAX_CALIBRATION_STEPS = 60
 # Rejected draws (an expert already taken) are redrawn this often before sampling exactly without replacement.
 _MAX_REDRAWS = 4
+# Largest log(max weight / min weight) of a zipf popularity: the race sampler needs every weight (and the
+# weight left after the hot ones are taken) well above float64's smallest normal number.
+_ZIPF_MAX_LOG_RANGE = math.log(1e200)
 # Independent random streams derived from the seed.
 _STREAM_POPULARITY, _STREAM_CALIBRATION, _STREAM_TOKENS, _STREAM_MASK = 1, 2, 3, 4
 
@@ -154,6 +157,13 @@ def _popularity(model: ModelConfig, skew: SkewSpec, world_size: int, seed: int) 
     if skew.kind == "trace":
         return Popularity(weights=None)
     if skew.kind == "zipf":
+        steepest = _ZIPF_MAX_LOG_RANGE / math.log(num_experts) if num_experts > 1 else math.inf
+        if skew.zipf_s > steepest:
+            # Weights that underflow make the sampler repeat experts within a token (and NaN alias tables).
+            raise UsageError(
+                f"--skew {skew.text}: with {num_experts} experts the coldest weight {num_experts}^-S "
+                f"underflows; S can be at most {math.floor(steepest)}"
+            )
         order = rng.permutation(num_experts)  # order[i] = expert with popularity rank i + 1
         weights = np.empty(num_experts)
         weights[order] = np.arange(1, num_experts + 1, dtype=np.float64) ** -skew.zipf_s
@@ -566,6 +576,9 @@ def _route_group_limited(
         out_experts[slot] = flat_experts.index_select(0, arrival * rows + row)
         popped.index_add_(0, row, torch.ones_like(row))
         next_time = flat_times.index_select(0, (arrival + 1) * rows + row)
+        # A group whose every expert is selected has no next arrival. Its drawn "next time" comes from the
+        # rounding residue of the remaining weight and can beat real arrivals of very cold experts.
+        next_time.masked_fill_(arrival + 1 >= size, math.inf)
         pending.scatter_(1, choice.unsqueeze(1), next_time.unsqueeze(1))
     return out_experts.t(), out_times.t()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,12 +138,18 @@ def _read_npz(path: str) -> tuple[np.ndarray, np.ndarray | None]:
             weights = archive["topk_weights"] if "topk_weights" in archive.files else None
     except UsageError:
         raise
+    except zlib.error as exc:  # a corrupted compressed member (savez_compressed)
+        raise UsageError(f"trace {path}: unreadable .npz ({exc})") from None
     except ValueError as exc:
         if "allow_pickle" in str(exc):
             raise UsageError(f"trace {path}: holds pickled object arrays, which are never loaded") from None
         raise UsageError(f"trace {path}: unreadable .npz ({exc})") from None
     except (OSError, zipfile.BadZipFile, EOFError) as exc:
         raise UsageError(f"trace {path}: unreadable .npz ({exc})") from None
+    # NpzFile hands back raw bytes for a member that is not a .npy array.
+    for name, value in (("topk_ids", ids), ("topk_weights", weights)):
+        if value is not None and not isinstance(value, np.ndarray):
+            raise UsageError(f"trace {path}: member {name} is not a numpy array (write it with numpy.savez)")
     return ids, weights
 
 

@@ -111,6 +111,13 @@ def test_bad_yaml_is_a_one_line_usage_error(tmp_path, text, words):
     assert words in message and str(path) in message and "\n" not in message
 
 
+def test_binary_model_file_is_a_usage_error(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"\xff\xfe\x00hidden: 3\n")
+    with pytest.raises(UsageError, match="unreadable"):
+        load_model(str(path))
+
+
 def test_missing_file():
     with pytest.raises(UsageError, match="not found"):
         load_model("/nonexistent/model.yaml")

@@ -21,6 +21,7 @@ from commbench.report import (
     markdown_table,
     render_report,
     results_frame,
+    results_json,
 )
 
 
@@ -245,6 +246,20 @@ def test_writer_appends_incrementally_and_finalizes(tmp_path) -> None:
     assert "data:image/png;base64," in html_text
     assert html_text.count("<img") >= 3  # balanced sweep, per-GPU vs spec, per-rank bytes
     assert "Conventions" in html_text
+
+
+def test_results_json_reads_like_nccl_tests_json() -> None:
+    # nccl-tests -J nests each row's figures under out_of_place {time, alg_bw, bus_bw, nwrong}.
+    rows = [balanced_row(4, 4096, 10.0), {**balanced_row(4, 8192, 16.0), "wrong": 3}]
+    spec = BandwidthSpec()
+    data = results_json(results_frame(rows, spec), {"args": {}}, spec)
+    for result, wrong in zip(data["results"], (0, 3), strict=True):
+        nested = result["out_of_place"]
+        assert set(nested) == {"time", "alg_bw", "bus_bw", "nwrong"}
+        assert nested["nwrong"] == result["wrong"] == wrong
+        assert nested["time"] == result["time"] and nested["bus_bw"] == result["bus_bw"]
+        assert nested["alg_bw"] == pytest.approx(result["size"] / (result["time"] * 1e3))
+        assert result["in_place"] is None
 
 
 def test_render_report_roundtrip(tmp_path) -> None:

@@ -157,6 +157,35 @@ def test_race_sampler_matches_the_full_score_matrix():
     assert torch.allclose(routing.topk_weights.double().mean(0), reference_weights.mean(0), atol=2e-3)
 
 
+SMALL_GROUPS = ModelConfig("small-groups", hidden=64, num_experts=64, topk=8, n_group=16, topk_group=4)
+
+
+def test_groups_smaller_than_topk_match_the_full_score_matrix():
+    # Groups of 4 < k = 8: a kept group can run out of experts while the token still selects.
+    cfg = config(model=SMALL_GROUPS, skew="zipf:1.5", world=4, tokens=20000, seed=2)
+    ours = route_rank(cfg, 0).topk_ids
+    weights = torch.tensor(expert_popularity(cfg).weights)
+    exps = torch.from_numpy(np.random.default_rng(9).standard_exponential((20000, 64)))
+    experts = torch.arange(64).view(1, 16, 4).expand(20000, -1, -1)
+    _, reference = _select_from_groups((exps / weights).view(20000, 16, 4), experts, SMALL_GROUPS)
+    ours_load = torch.bincount(ours.view(-1), minlength=64).double()
+    theirs = torch.bincount(reference.reshape(-1), minlength=64).double()
+    used = (ours_load + theirs) > 0
+    chi2 = float((((ours_load - theirs) ** 2) / (ours_load + theirs).clamp(min=1))[used].sum())
+    dof = int(used.sum()) - 1
+    assert chi2 < dof + 5 * (2 * dof) ** 0.5
+
+
+def test_exhausted_group_is_never_selected_again():
+    # Steep skew: an exhausted group's phantom next arrival (from the rounding residue of its remaining
+    # weight) used to beat the real, very late arrivals of cold experts and selected past the group's end.
+    cfg = config(model=SMALL_GROUPS, skew="zipf:30", world=4, tokens=4096)
+    ids = route_rank(cfg, 0).topk_ids
+    ordered = ids.sort(dim=1).values
+    assert int(ordered[:, 0].min()) >= 0 and (ordered[:, 1:] != ordered[:, :-1]).all()
+    assert int(group_span(ids, 4).max()) <= 4
+
+
 def test_masking_rate():
     cfg = config(skew="zipf:1.2", tokens=4096, mask_ratio=0.3)
     routing = route_rank(cfg, 1)
@@ -304,6 +333,17 @@ def test_infeasible_targets(model, skew, world, words):
     with pytest.raises(UsageError) as info:
         expert_popularity(config(model=model, skew=skew, world=world))
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_steepest_zipf_keeps_experts_distinct():
+    # Past the limit the coldest weights underflow to 0 and a token would repeat experts.
+    with pytest.raises(UsageError, match="S can be at most 83") as info:
+        route_rank(config(skew="zipf:1000", tokens=64), 0)
+    assert "\n" not in str(info.value)
+    for model, skew in ((DEEPSEEK, "zipf:83"), (QWEN, "zipf:94")):
+        ids = route_rank(config(model=model, skew=skew, tokens=512), 0).topk_ids
+        ordered = ids.sort(dim=1).values
+        assert int(ordered[:, 0].min()) >= 0 and (ordered[:, 1:] != ordered[:, :-1]).all()
 
 
 def test_trace_replay(tmp_path):

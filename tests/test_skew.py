@@ -1,3 +1,5 @@
+import zipfile
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -177,3 +179,23 @@ def test_edited_trace_is_reread(tmp_path):
     assert load_trace(str(path), num_experts=4, topk=2).topk_ids.tolist() == [[0, 1]]
     np.savez(path, topk_ids=np.array([[2, 3], [1, 0]]))
     assert load_trace(str(path), num_experts=4, topk=2).topk_ids.tolist() == [[2, 3], [1, 0]]
+
+
+def test_npz_member_that_is_not_an_array(tmp_path):
+    # np.load returns a member without the .npy magic as raw bytes.
+    path = tmp_path / "raw.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("topk_ids.npy", b"these bytes are not a numpy array")
+    with pytest.raises(UsageError, match="member topk_ids is not a numpy array"):
+        load_trace(str(path), num_experts=8, topk=2)
+
+
+def test_corrupted_compressed_npz(tmp_path):
+    path = tmp_path / "corrupt.npz"
+    np.savez_compressed(path, topk_ids=np.random.default_rng(0).integers(0, 8, (5000, 2)))
+    data = bytearray(path.read_bytes())
+    for index in range(100, 200):  # inside the deflate stream of the only member
+        data[index] ^= 0x55
+    path.write_bytes(bytes(data))
+    with pytest.raises(UsageError, match="unreadable .npz"):
+        load_trace(str(path), num_experts=8, topk=2)

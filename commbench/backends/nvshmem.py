@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from commbench import shmem_protocol as proto
 from commbench.backends.base import Backend
-from commbench.errors import CommError, UsageError
+from commbench.errors import CommbenchError, CommError, UsageError
 from commbench.plan import RankPlan
 
 OPTION_DEFAULTS: dict[str, Any] = {
@@ -63,6 +63,22 @@ CHOICES = {
 NEEDS = (
     "needs CUDA GPUs and NVSHMEM (a CUDA build of torch with NVSHMEM, Triton and the nvidia-nvshmem wheel)"
 )
+KERNEL_HINT = (
+    "it needs Triton >= 3.4 and NVSHMEM device bitcode (libnvshmem_device.bc, NVSHMEM_LIB_DIR) of the "
+    "NVSHMEM version torch pins; see docs/nvshmem.md"
+)
+# torch's all_to_all_vdev_2d kernels keep per-expert and per-rank prefix sums in fixed tiles (512 threads,
+# 32-wide warp scans): dispatch takes <= 16 experts per rank and <= 32 ranks, the combine (_offset) op
+# <= 32 experts per rank and <= 16 ranks (TORCH_CHECKs in nvshmem_extension.cu).
+VDEV2D_MAX_EXPERTS_PER_RANK = 16
+VDEV2D_MAX_RANKS = 16
+
+
+def _error_summary(exc: BaseException) -> str:
+    """First and last non-empty lines of an error (Triton puts the cause last, after the source excerpt)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return f"{type(exc).__name__}: {text}"[:300]
 
 
 class NvshmemBackend(Backend):
@@ -155,6 +171,8 @@ class NvshmemBackend(Backend):
         self._weighted: torch.Tensor | None = None
         self._combined: torch.Tensor | None = None
         self._vdev: dict[str, Any] = {}
+        # Kernels that compiled and launched once: later errors pass through unchanged.
+        self._launched: set[str] = set()
 
     # ------------------------------------------------------------------------------------------------
     # Setup: NVSHMEM bootstrap through torch symmetric memory, worst-case heap, kernels.
@@ -172,6 +190,8 @@ class NvshmemBackend(Backend):
             self.chunk_bytes,
         )
         self._row_bytes = plan.dispatch_row_bytes
+        # A previous setup's views and vdev buffers must not keep old symmetric memory alive (heap budget).
+        self._views, self._addr, self._vdev = {}, {}, {}
         self._capacity = proto.buffer_capacity(matrix)
         self._layout = proto.heap_layout(
             self._capacity,
@@ -240,9 +260,16 @@ class NvshmemBackend(Backend):
         except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
             raise UsageError(
                 f"nvshmem: could not allocate a {nbytes / 2**20:.1f} MiB symmetric heap "
-                f"({str(exc).splitlines()[0]}); set NVSHMEM_SYMMETRIC_SIZE above {2 * nbytes} bytes or use "
+                f"({_error_summary(exc)}); set NVSHMEM_SYMMETRIC_SIZE above {2 * nbytes} bytes or use "
                 "fewer tokens"
             ) from None
+        # The kernels address the heap through NVSHMEM: memory of another symmetric backend would fault.
+        backend = getattr(symm_mem, "get_backend", lambda device: "NVSHMEM")(self.comm.device)
+        if backend not in (None, "NVSHMEM"):
+            raise UsageError(
+                f"nvshmem: torch symmetric memory uses the {backend} backend in this process, not NVSHMEM "
+                "(set_backend must come before any other symmetric allocation); run commbench on its own"
+            )
         self._heap = heap
         self._heap_bytes = nbytes
 
@@ -373,32 +400,50 @@ class NvshmemBackend(Backend):
         recv_addr = self._addr[f"{phase}_recv"] + proto.parity(epoch) * (recv_region.nbytes // 2)
         signals = layout.signals
         grid = (min(self.num_blocks, layout.num_items),)
-        self._put[grid](
-            items,
-            self._addr[f"{phase}_send"],
-            recv_addr,
-            self._addr[f"{phase}_signal"],
-            layout.num_items,
-            row_bytes,
-            proto.signal_value(signals.op, epoch),
-            signals.nvshmem_op,
-            BLOCKING=self.settings["put"] == "blocking",
-            num_warps=self.num_warps,
-        )
+        try:
+            self._put[grid](
+                items,
+                self._addr[f"{phase}_send"],
+                recv_addr,
+                self._addr[f"{phase}_signal"],
+                layout.num_items,
+                row_bytes,
+                proto.signal_value(signals.op, epoch),
+                signals.nvshmem_op,
+                BLOCKING=self.settings["put"] == "blocking",
+                num_warps=self.num_warps,
+            )
+        except Exception as exc:
+            self._kernel_failed("put", exc)
+        self._launched.add("put")
 
     def _launch_waits(self, phase: str, layout: proto.PhaseLayout, epoch: int) -> None:
         _items, waits, epoch0 = self._device_tables[phase]
-        self._wait[(int(layout.wait_word.size),)](
-            waits,
-            self._addr[f"{phase}_signal"],
-            epoch - epoch0,
-            epoch,
-            int(self.comm.timeout_s * 1e9),
-            self._errors[phase].data_ptr(),
-            USE_SET=layout.signals.op == "set",
-            SPIN=self.settings["wait"] == "spin",
-            num_warps=1,
-        )
+        try:
+            self._wait[(int(layout.wait_word.size),)](
+                waits,
+                self._addr[f"{phase}_signal"],
+                epoch - epoch0,
+                epoch,
+                int(self.comm.timeout_s * 1e9),
+                self._errors[phase].data_ptr(),
+                USE_SET=layout.signals.op == "set",
+                SPIN=self.settings["wait"] == "spin",
+                num_warps=1,
+            )
+        except Exception as exc:
+            self._kernel_failed("wait", exc)
+        self._launched.add("wait")
+
+    def _kernel_failed(self, kernel: str, exc: Exception) -> None:
+        """Re-raise a kernel's error: a one-line UsageError when it never compiled and launched before (a
+        Triton / NVSHMEM bitcode mismatch), the error itself after that (a fault at run time)."""
+        if kernel in self._launched or isinstance(exc, CommbenchError):
+            raise exc
+        raise UsageError(
+            f"--backend nvshmem: the Triton {kernel} kernel failed to build or launch "
+            f"({_error_summary(exc)}); {KERNEL_HINT}"
+        ) from exc
 
     # ------------------------------------------------------------------------------------------------
     # Reference variant: torch's all_to_all_vdev_2d (expert-major dispatch) / _offset (combine).
@@ -410,6 +455,12 @@ class NvshmemBackend(Backend):
             )
         assert self._capacity is not None
         world, slots = self.comm.world_size, int(plan.send_counts.shape[1])
+        if slots > VDEV2D_MAX_EXPERTS_PER_RANK or world > VDEV2D_MAX_RANKS:
+            raise UsageError(
+                "variant=vdev2d: torch's all_to_all_vdev_2d kernels take at most "
+                f"{VDEV2D_MAX_EXPERTS_PER_RANK} experts per rank and {VDEV2D_MAX_RANKS} ranks, this run has "
+                f"{slots} and {world}; use more ranks, --send-mode token (one slot per rank) or variant=put"
+            )
         splits = world * slots
         device = self.comm.device
         cap = self._capacity

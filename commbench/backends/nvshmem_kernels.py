@@ -13,7 +13,9 @@ per thread, so signals only travel with block-scoped put-with-signal calls (an e
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import importlib.util
 import os
 import sysconfig
 import tempfile
@@ -39,6 +41,11 @@ def _device_library_dir() -> str | None:
         "/usr/local/lib",
         "/usr/lib",
     ]
+    # The wheel wherever it is installed (user site, a venv torch's RPATH points into).
+    with contextlib.suppress(ImportError, ValueError):
+        spec = importlib.util.find_spec("nvidia.nvshmem")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            roots.insert(1, os.path.join(folder, "lib"))
     for root in roots:
         if os.path.exists(os.path.join(root, "libnvshmem_device.bc")):
             return None

@@ -66,7 +66,8 @@ def _one_pe_entry(comm, options: dict, send_mode: str) -> list[dict]:
     from commbench.routing import RoutingConfig
     from commbench.skew import parse_skew
 
-    model = ModelConfig(name="small", hidden=1024, num_experts=32, topk=4, dispatch_dtype="fp8")
+    # 16 experts: torch's all_to_all_vdev_2d (variant=vdev2d) takes at most 16 per rank.
+    model = ModelConfig(name="small", hidden=1024, num_experts=16, topk=4, dispatch_dtype="fp8")
     cfg = RoutingConfig(model=model, skew=parse_skew("zipf:1.2"), world_size=1, tokens_per_rank=512, seed=2)
     job = Job(name="small", kind="moe", routing=cfg, send_mode=send_mode, warmup=2, iters=3)
     rows, _ = run_jobs(comm, [job], RunOptions("nvshmem", options, timeout_s=30.0))
@@ -227,3 +228,97 @@ def test_host_side_missing_signals_become_comm_error(monkeypatch) -> None:
     backend.dispatch(encode_rows(0, torch.arange(plan.num_tokens), plan.dispatch_row_bytes), plan, counts)
     with pytest.raises(CommError, match=r"in dispatch for the signals of rank\(s\) 0"):
         backend.synchronize()
+
+
+def _small_selection_plan(num_experts: int):
+    from commbench.models import ModelConfig
+    from commbench.plan import plan_rank
+    from commbench.routing import RoutingConfig, route_rank
+    from commbench.skew import parse_skew
+
+    model = ModelConfig(
+        name="small", hidden=32, num_experts=num_experts, topk=3, dispatch_dtype="fp8", scale_block=16
+    )
+    cfg = RoutingConfig(model=model, skew=parse_skew("uniform"), world_size=1, tokens_per_rank=16, seed=0)
+    return plan_rank(route_rank(cfg, 0), model, 1, "selection")
+
+
+def test_vdev2d_beyond_torch_tile_limits_is_a_usage_error(monkeypatch) -> None:
+    import torch.distributed._symmetric_memory  # noqa: F401 - registers torch.ops.symm_mem
+
+    # 32 experts on one rank: torch's all_to_all_vdev_2d would fail its TORCH_CHECK (<= 16 per rank).
+    backend = host_side_backend(monkeypatch, {"variant": "vdev2d"})
+    with pytest.raises(UsageError, match="at most 16 experts per rank") as info:
+        backend.setup(_small_selection_plan(32))
+    assert "\n" not in str(info.value)
+
+
+def test_first_kernel_failure_is_one_line_later_ones_pass_through(monkeypatch) -> None:
+    import torch.distributed._symmetric_memory  # noqa: F401
+
+    from commbench.verify import encode_rows
+
+    plan = _small_selection_plan(8)
+    backend = host_side_backend(monkeypatch, {})
+    backend.setup(plan)
+    tokens = encode_rows(0, torch.arange(plan.num_tokens), plan.dispatch_row_bytes)
+    working = backend._put
+
+    class Broken:
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                raise RuntimeError(
+                    "at 12:8:\n    _quiet()\n    ^\nLLVM ERROR: cannot link libnvshmem_device.bc"
+                )
+
+            return run
+
+    backend._put = Broken()
+    counts = backend.exchange_counts(plan.send_counts)
+    with pytest.raises(UsageError, match="put kernel failed to build or launch.*cannot link") as info:
+        backend.dispatch(tokens, plan, counts)
+    assert "\n" not in str(info.value)
+    backend._put = working  # compiles and launches: from now on a failure is a run-time fault, raised as is
+    backend.dispatch(tokens, plan, counts)
+    backend._put = Broken()
+    with pytest.raises(RuntimeError, match="LLVM ERROR"):
+        backend.dispatch(tokens, plan, counts)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# benchmarks/gpu_check.py: the parts that run without a GPU (CLI steps, the files that come back).
+
+
+def _gpu_check_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_under_test", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_check_cli_step_and_outputs_stay_within_what_comes_back(tmp_path) -> None:
+    gpu_check = _gpu_check_module()
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    args = ["--model", "qwen3-30b-a3b", "--tokens", "16", "--warmup", "1", "--iters", "1"]
+    args += ["--backend", "gloo"]
+    result = gpu_check.cli_run(out, work, "gloo", args, timeout_s=120)
+    assert result["status"] == "ok", result
+    assert result["dispatch_wrong"] == 0 and result["combine_wrong"] == 0
+    assert result["dispatch_us"] > 0
+    assert (work / "gloo" / "results.json").is_file()
+    assert "===== gloo" in (out / "cli_runs.log").read_text()
+    slow = gpu_check.cli_run(out, work, "slow", args, timeout_s=0.2)
+    assert slow["status"] == "FAIL" and "timed out" in slow["error"]
+
+    check = gpu_check.Check(out)
+    check.steps.append({"step": "nccl world 1", **result})
+    table, ok = gpu_check.write_outputs(check, out)
+    assert not ok  # no loopback figures
+    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    # With gpu_check.sh's gpu_check.log: at most 8 files, all at the top of $OUT.
+    assert files == ["cli_runs.log", "gpu_check.csv", "gpu_check.json", "measurements.md"]
