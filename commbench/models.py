@@ -151,6 +151,9 @@ def _parse_model(text: str, origin: str, default_name: str) -> ModelConfig:
     missing = [key for key in _REQUIRED_KEYS if key not in data]
     if missing:
         raise UsageError(f"{origin}: missing key(s) {', '.join(missing)}")
+    if "n_group" in data and data["n_group"] != 1 and "topk_group" not in data:
+        # The default topk_group = 1 would silently route every token to a single group.
+        raise UsageError(f"{origin}: n_group is set but topk_group is missing; add topk_group (groups kept)")
     data.setdefault("name", default_name)
     for key in ("name", "source", "dispatch_dtype", "combine_dtype"):
         if key in data and not isinstance(data[key], str):

@@ -66,7 +66,8 @@ def parse_skew(text: str) -> SkewSpec:
             raise UsageError(f"--skew {spelling}: the ratio R must be >= 1 (the hot rank receives R x)")
         return SkewSpec(kind="rank-imbalance", text=spelling, imbalance_ratio=ratio)
     if kind == "trace" and rest:
-        return SkewSpec(kind="trace", text=spelling, trace_path=rest)
+        # The shell does not expand ~ after "trace:", so do it here.
+        return SkewSpec(kind="trace", text=spelling, trace_path=os.path.expanduser(rest))
     raise UsageError(f"--skew {spelling!r} not understood; use {SKEW_FORMS}")
 
 

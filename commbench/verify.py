@@ -117,7 +117,12 @@ def expert_outputs(
     device = token.device
     src_t = torch.as_tensor(src, dtype=torch.int64, device=device)
     key_t = torch.as_tensor(key, dtype=torch.int64, device=device)
-    row_part = ((src_t * 73 + token * 151 + key_t * 37) % 255).to(torch.int16)
+    # A mixing hash of (src, token, key), not a linear form: with a linear one, tokens 255 apart got identical
+    # rows, so a combine that delivered token t + 255's output to token t would verify clean.
+    mixed = (src_t * 0x9E3779B1 + token * 0x85EBCA77 + key_t * 0xC2B2AE3D) & 0xFFFFFFFF
+    mixed = ((mixed ^ (mixed >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+    mixed = mixed ^ (mixed >> 13)
+    row_part = (mixed % 255).to(torch.int16)
     column_part = ((torch.arange(hidden, dtype=torch.int64, device=device) * 29) % 255).to(torch.int16)
     values = row_part.expand_as(token).unsqueeze(1) + column_part  # int16 in [0, 508]
     values.remainder_(255).sub_(127)

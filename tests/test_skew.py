@@ -199,3 +199,8 @@ def test_corrupted_compressed_npz(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(UsageError, match="unreadable .npz"):
         load_trace(str(path), num_experts=8, topk=2)
+
+
+def test_trace_path_expands_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert parse_skew("trace:~/routing.npz").trace_path == str(tmp_path / "routing.npz")

@@ -165,3 +165,12 @@ def test_combine_detects_a_misrouted_row():
     good = expert_outputs(src, token, 1, MODEL.hidden)
     bad = expert_outputs(src, token.roll(1), 1, MODEL.hidden)
     assert (good != bad).any(dim=1).float().mean() > 0.9
+
+
+def test_expert_outputs_differ_for_tokens_a_period_apart():
+    # A linear row term repeated every 255 tokens: swapped outputs of tokens t and t + 255 went unnoticed.
+    tokens = torch.arange(0, 255 * 8, dtype=torch.int64)
+    rows = expert_outputs(1, tokens, 2, 64)
+    first_columns = rows[:, 0]
+    assert not torch.equal(rows[:255], rows[255:510])
+    assert first_columns.unique().numel() > 200  # spread over the 255 row offsets
