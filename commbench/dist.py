@@ -387,6 +387,8 @@ def _read_outcomes(outcome_dir: str, world_size: int) -> dict[int, tuple[str, An
         if os.path.exists(path):
             with open(path, "rb") as handle:
                 try:
+                    # Not user input: written by this launch's own spawned ranks into the private (0700) dir
+                    # from mkdtemp, the same trust as multiprocessing's pickled arguments to those ranks.
                     outcomes[rank] = pickle.load(handle)
                 except Exception as exc:  # noqa: BLE001 - e.g. an exception class that cannot be rebuilt
                     outcomes[rank] = ("error", RuntimeError(f"unreadable error of rank {rank}: {exc}"), "")
