@@ -342,30 +342,6 @@ def missing_sources(layout: PhaseLayout, words: np.ndarray, expected: np.ndarray
     return sorted({int(s) for s in layout.wait_source[short]})
 
 
-def weighted_reduce(
-    rows: torch.Tensor,
-    token_index: torch.Tensor,
-    weight: torch.Tensor,
-    num_tokens: int,
-    weighted: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Combine's reduction into token order: out[t] = sum over rows r of token t of weight[r] * rows[r].
-
-    ``rows`` are the combine rows back in this rank's send order; float32 result [num_tokens, hidden]
-    (the same arithmetic as the all-to-all backends: product in float32, then index_add_).
-    """
-    count, hidden = int(rows.shape[0]), int(rows.shape[1])
-    if weighted is None:
-        weighted = torch.empty((count, hidden), dtype=torch.float32, device=rows.device)
-    product = torch.mul(rows, weight.unsqueeze(1), out=weighted[:count])
-    if out is None:
-        out = torch.empty((num_tokens, hidden), dtype=torch.float32, device=rows.device)
-    combined = out[:num_tokens].zero_()
-    combined.index_add_(0, token_index, product)
-    return combined
-
-
 def expert_major_blocks(recv_counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each received row in source order (sources in rank order, each by local expert, as sent): the id
     ``e * world + src`` of its (expert, source) block in expert-major order, and its index inside the block.

@@ -212,20 +212,6 @@ def test_parity_and_signal_values() -> None:
         proto.signal_value("set", 0)
 
 
-def test_weighted_reduce_matches_a_loop() -> None:
-    generator = torch.Generator().manual_seed(0)
-    rows = torch.randint(-64, 64, (9, 6), generator=generator).to(torch.bfloat16) / 64
-    token = torch.tensor([0, 2, 2, 1, 0, 4, 2, 1, 1])
-    weight = torch.rand(9, generator=generator)
-    out = proto.weighted_reduce(rows, token, weight, 5)
-    reference = torch.zeros(5, 6, dtype=torch.float64)
-    for r in range(9):
-        reference[token[r]] += weight[r].double() * rows[r].double()
-    assert out.dtype == torch.float32
-    torch.testing.assert_close(out.double(), reference, rtol=1e-6, atol=1e-6)
-    assert (out[3] == 0).all()
-
-
 def test_expert_major_order_recovers_source_order() -> None:
     """all_to_all_vdev_2d lays blocks expert-major (e, src); mapping back must give source order."""
     recv = np.array([[2, 0, 1], [1, 3, 0]], dtype=np.int64)  # [src, expert]

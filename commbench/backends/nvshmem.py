@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from commbench import shmem_protocol as proto
-from commbench.backends.base import Backend
+from commbench.backends.base import Backend, CombineReduction
 from commbench.errors import CommbenchError, CommError, UsageError
 from commbench.plan import RankPlan
 
@@ -168,8 +168,7 @@ class NvshmemBackend(Backend):
         self._matrix_key: bytes | None = None
         self._errors: dict[str, torch.Tensor] = {}
         self._row_bytes = 0
-        self._weighted: torch.Tensor | None = None
-        self._combined: torch.Tensor | None = None
+        self._reduce = CombineReduction()
         self._vdev: dict[str, Any] = {}
         # Kernels that compiled and launched once: later errors pass through unchanged.
         self._launched: set[str] = set()
@@ -341,27 +340,7 @@ class NvshmemBackend(Backend):
             self._views["combine_send"][:rows].copy_(expert_out.contiguous().view(torch.uint8))
             side = self._run_phase("combine", layout, plan.combine_row_bytes)
             returned = self._views["combine_recv"][side][: layout.recv_rows].view(expert_out.dtype)
-        device = self.comm.device
-        if (
-            self._weighted is None
-            or self._weighted.shape[0] < layout.recv_rows
-            or self._weighted.shape[1] != hidden
-        ):
-            self._weighted = torch.empty((layout.recv_rows, hidden), dtype=torch.float32, device=device)
-        if (
-            self._combined is None
-            or self._combined.shape[0] < plan.num_tokens
-            or self._combined.shape[1] != hidden
-        ):
-            self._combined = torch.empty((plan.num_tokens, hidden), dtype=torch.float32, device=device)
-        return proto.weighted_reduce(
-            returned,
-            plan.send_token_index,
-            plan.combine_weight,
-            plan.num_tokens,
-            self._weighted,
-            self._combined,
-        )
+        return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
 
     def synchronize(self) -> None:
         self._device_synchronize()

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from commbench import shmem_protocol as proto
-from commbench.backends.base import Backend
+from commbench.backends.base import Backend, CombineReduction
 from commbench.errors import CommError, UsageError
 from commbench.plan import RankPlan
 
@@ -132,8 +132,7 @@ class ShmemEmuBackend(Backend):
             )
         self._heap: SharedHeap | None = None
         self._heap_key: tuple[Any, ...] | None = None
-        self._weighted: torch.Tensor | None = None
-        self._combined: torch.Tensor | None = None
+        self._reduce = CombineReduction()
         self._reset_layout()
 
     @property
@@ -285,26 +284,7 @@ class ShmemEmuBackend(Backend):
         torch.from_numpy(staging).copy_(expert_out.contiguous().view(torch.uint8))
         buffer = self._run_phase("combine", layout, staging)
         returned = torch.from_numpy(buffer[: layout.recv_rows]).view(expert_out.dtype)
-        if (
-            self._weighted is None
-            or self._weighted.shape[0] < returned.shape[0]
-            or self._weighted.shape[1] != hidden
-        ):
-            self._weighted = torch.empty((returned.shape[0], hidden), dtype=torch.float32)
-        if (
-            self._combined is None
-            or self._combined.shape[0] < plan.num_tokens
-            or self._combined.shape[1] != hidden
-        ):
-            self._combined = torch.empty((plan.num_tokens, hidden), dtype=torch.float32)
-        return proto.weighted_reduce(
-            returned,
-            plan.send_token_index,
-            plan.combine_weight,
-            plan.num_tokens,
-            self._weighted,
-            self._combined,
-        )
+        return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
 
     def synchronize(self) -> None:
         pass  # puts and waits are synchronous

@@ -13,16 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commbench.backends.base import Backend
+from commbench.backends.base import Backend, CombineReduction, grown_buffer
 from commbench.errors import UsageError
 from commbench.plan import RankPlan
-
-
-def _grown(buffer: torch.Tensor | None, rows: int, shape: tuple[int, ...], dtype: torch.dtype, device: Any):
-    """``buffer[:rows]`` when it fits, else a new buffer of exactly ``rows`` rows."""
-    if buffer is None or buffer.shape[0] < rows or tuple(buffer.shape[1:]) != shape or buffer.dtype != dtype:
-        buffer = torch.empty((rows, *shape), dtype=dtype, device=device)
-    return buffer
 
 
 class TorchDistBackend(Backend):
@@ -49,8 +42,7 @@ class TorchDistBackend(Backend):
         self._send_buffer: torch.Tensor | None = None
         self._recv_buffer: torch.Tensor | None = None
         self._combine_buffer: torch.Tensor | None = None
-        self._weighted: torch.Tensor | None = None
-        self._combined: torch.Tensor | None = None
+        self._reduce = CombineReduction()
         self._static_recv_splits: list[int] | None = None
         self._cached_counts: torch.Tensor | None = None
         self._cached_recv_splits: list[int] = []
@@ -84,7 +76,7 @@ class TorchDistBackend(Backend):
     def dispatch(self, tokens: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
         recv_splits = self._recv_splits(recv_counts)
         rows = sum(recv_splits)
-        self._recv_buffer = _grown(
+        self._recv_buffer = grown_buffer(
             self._recv_buffer, rows, (plan.dispatch_row_bytes,), torch.uint8, self.comm.device
         )
         received = self._recv_buffer[:rows]
@@ -105,9 +97,7 @@ class TorchDistBackend(Backend):
         hidden = int(expert_out.shape[1])
         device = self.comm.device
         rows = plan.num_send_rows
-        self._combine_buffer = _grown(self._combine_buffer, rows, (hidden,), expert_out.dtype, device)
-        self._weighted = _grown(self._weighted, rows, (hidden,), torch.float32, device)
-        self._combined = _grown(self._combined, plan.num_tokens, (hidden,), torch.float32, device)
+        self._combine_buffer = grown_buffer(self._combine_buffer, rows, (hidden,), expert_out.dtype, device)
         returned = self._combine_buffer[:rows]
         # Reverse of dispatch: each expert side sends back, per source, the rows it received from it.
         dist.all_to_all_single(
@@ -117,11 +107,4 @@ class TorchDistBackend(Backend):
             input_split_sizes=self._recv_splits(recv_counts),
             group=self.comm.group,
         )
-        weighted = self._weighted[:rows]
-        if returned.device.type == "cuda":  # one fused kernel
-            torch.mul(returned, plan.combine_weight.unsqueeze(1), out=weighted)
-        else:  # the CPU kernel of a mixed bf16 x fp32 multiply is ~5x slower than convert, then multiply
-            weighted.copy_(returned).mul_(plan.combine_weight.unsqueeze(1))
-        combined = self._combined[: plan.num_tokens].zero_()
-        combined.index_add_(0, plan.send_token_index, weighted)
-        return combined
+        return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
