@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from commbench.models import load_model
-from commbench.routing import RoutingConfig, expert_popularity, route_rank
-from commbench.skew import parse_skew
+from commbench.inputs.models import load_model
+from commbench.inputs.skew import parse_skew
+from commbench.traffic.routing import RoutingConfig, expert_popularity, route_rank
 
 
 def median_seconds(run: Callable[[], object], repeats: int) -> float:

@@ -204,7 +204,7 @@ def _one_rank_comm(timeout_s: float) -> Any:
         LOCAL_RANK="0",
         LOCAL_WORLD_SIZE="1",
     )
-    from commbench.dist import init_comm
+    from commbench.run.dist import init_comm
 
     return init_comm("nccl", timeout_s)
 
@@ -213,12 +213,10 @@ def loopback(tokens: int, configs: list[dict[str, Any]], launches: int) -> dict[
     """PE 0 puts deepseek-v3 dispatch rows to itself: verification, then the put kernel's bandwidth."""
     import torch
 
-    from commbench.backends.nvshmem import NvshmemBackend
-    from commbench.models import load_model
-    from commbench.plan import plan_rank
-    from commbench.routing import RoutingConfig, route_rank
-    from commbench.skew import parse_skew
-    from commbench.verify import (
+    from commbench.backends.shmem.nvshmem import NvshmemBackend
+    from commbench.inputs.models import load_model
+    from commbench.inputs.skew import parse_skew
+    from commbench.traffic.payload import (
         count_wrong_combine,
         count_wrong_rows,
         decode_header,
@@ -228,6 +226,8 @@ def loopback(tokens: int, configs: list[dict[str, Any]], launches: int) -> dict[
         expert_outputs,
         received_keys,
     )
+    from commbench.traffic.plan import plan_rank
+    from commbench.traffic.routing import RoutingConfig, route_rank
 
     comm = _one_rank_comm(20.0)  # also the signal-wait timeout: a broken kernel fails, it does not hang
     model = load_model("deepseek-v3")

@@ -12,8 +12,8 @@ BACKENDS: dict[str, str] = {
     "gloo": "commbench.backends.torchdist:TorchDistBackend",
     "mock": "commbench.backends.mock:MockBackend",
     "sim": "commbench.backends.sim:SimBackend",
-    "shmem-emu": "commbench.backends.shmem_emu:ShmemEmuBackend",
-    "nvshmem": "commbench.backends.nvshmem:NvshmemBackend",
+    "shmem-emu": "commbench.backends.shmem.emu:ShmemEmuBackend",
+    "nvshmem": "commbench.backends.shmem.nvshmem:NvshmemBackend",
 }
 
 

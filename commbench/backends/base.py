@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from commbench.plan import RankPlan
+from commbench.traffic.plan import RankPlan
 
 
 def grown_buffer(
@@ -60,7 +60,7 @@ class Backend(abc.ABC):
     emulated: ClassVar[bool] = False
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
-        self.comm = comm  # commbench.dist.Comm
+        self.comm = comm  # commbench.run.dist.Comm
         self.options = dict(options or {})
 
     @property

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from commbench.backends.base import Backend
-from commbench.dist import Comm, hang_bound_s
 from commbench.errors import CommbenchError, CommError, UsageError
-from commbench.plan import RankPlan, row_matrix
-from commbench.verify import expected_rows, expert_outputs
+from commbench.run.dist import Comm, hang_bound_s
+from commbench.traffic.payload import expected_rows, expert_outputs
+from commbench.traffic.plan import RankPlan, row_matrix
 
 _DEFAULT_OPTIONS = {"link_GBps": 100.0, "latency_us": 10.0}
 

@@ -1,4 +1,4 @@
-"""Simulated backend: in-process, no data movement, phase times from the fabric model (commbench.fabric).
+"""Simulated backend: in-process, no data movement, phase times from the fabric model.
 
 ``SimBackend`` answers each phase with what every rank must receive (from every rank's plan, given through
 ``Backend.setup_peers``) and reports, through ``modelled_seconds``, the fabric model's time for the phase's
@@ -11,7 +11,7 @@ the prediction is cached per traffic matrix, so thread ranks share one computati
 
 Options (``--backend-option key=value``): ``spec`` (name or YAML path, default gb300-nvl72),
 ``ranks_per_domain`` and ``ranks_per_host`` (default: the spec's, ranks placed contiguously), and the model
-knobs of ``commbench.fabric.FabricParams``: ``nvlink_efficiency``, ``scaleout_efficiency``,
+knobs of ``commbench.fabric.model.FabricParams``: ``nvlink_efficiency``, ``scaleout_efficiency``,
 ``phase_latency_us``, ``nvlink_peer_latency_us``, ``scaleout_peer_latency_us``, ``rail_optimized``, ``pxn``,
 ``oversubscription``, ``pod_gpus``.
 """
@@ -29,9 +29,9 @@ import torch
 
 from commbench.backends.base import Backend
 from commbench.errors import UsageError
-from commbench.fabric import Fabric, PhasePrediction, make_fabric, predict_phase
-from commbench.plan import RankPlan, row_matrix
-from commbench.verify import expected_rows, expert_outputs
+from commbench.fabric.model import Fabric, PhasePrediction, make_fabric, predict_phase
+from commbench.traffic.payload import expected_rows, expert_outputs
+from commbench.traffic.plan import RankPlan, row_matrix
 
 _FLOAT_OPTIONS = ("nvlink_efficiency", "scaleout_efficiency", "oversubscription")
 _US_OPTIONS = ("phase_latency_us", "nvlink_peer_latency_us", "scaleout_peer_latency_us")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from commbench.backends.base import Backend, CombineReduction, grown_buffer
 from commbench.errors import UsageError
-from commbench.plan import RankPlan
+from commbench.traffic.plan import RankPlan
 
 
 class TorchDistBackend(Backend):

@@ -8,12 +8,12 @@ import torch
 
 from commbench.backends.mock import GenerationBarrier, MockBackend, run_threads
 from commbench.errors import CommError, UsageError, VerificationError
-from commbench.harness import Job, RunOptions, run_jobs
-from commbench.models import ModelConfig
-from commbench.pattern import build_pattern
-from commbench.plan import balanced_pair_rows
-from commbench.routing import RoutingConfig
-from commbench.skew import parse_skew
+from commbench.inputs.models import ModelConfig
+from commbench.inputs.skew import parse_skew
+from commbench.run.harness import Job, RunOptions, run_jobs
+from commbench.traffic.pattern import build_pattern
+from commbench.traffic.plan import balanced_pair_rows
+from commbench.traffic.routing import RoutingConfig
 
 SMALL = ModelConfig(name="small", hidden=32, num_experts=32, topk=4)
 

@@ -7,11 +7,11 @@ import torch
 from commbench.backends import get_backend
 from commbench.backends.sim import SimBackend, parse_options
 from commbench.errors import UsageError
-from commbench.fabric import balanced_traffic, make_fabric, predict_phase
-from commbench.models import load_model
-from commbench.plan import plan_balanced, plan_rank
-from commbench.routing import RoutingConfig, route_rank
-from commbench.skew import parse_skew
+from commbench.fabric.model import balanced_traffic, make_fabric, predict_phase
+from commbench.inputs.models import load_model
+from commbench.inputs.skew import parse_skew
+from commbench.traffic.plan import plan_balanced, plan_rank
+from commbench.traffic.routing import RoutingConfig, route_rank
 
 
 def _comm(rank: int, world: int) -> SimpleNamespace:
@@ -87,14 +87,14 @@ def test_setup_needs_the_peers_and_options_are_checked():
 
 
 def _harness_entry(comm, jobs, opts):
-    from commbench.harness import run_jobs
+    from commbench.run.harness import run_jobs
 
     return run_jobs(comm, jobs, opts)
 
 
 def test_harness_with_thread_ranks_reports_the_model():
     from commbench.backends.mock import run_threads
-    from commbench.harness import Job, RunOptions
+    from commbench.run.harness import Job, RunOptions
 
     world, size = 8, 1 << 16
     cfg = RoutingConfig(load_model("qwen3-30b-a3b"), parse_skew("uniform"), world, 32)

@@ -8,12 +8,10 @@ import torch
 
 from commbench.backends import get_backend
 from commbench.backends.torchdist import TorchDistBackend
-from commbench.dist import launch
 from commbench.errors import UsageError
-from commbench.models import ModelConfig
-from commbench.plan import plan_rank, receive_offsets, row_matrix
-from commbench.routing import Routing
-from commbench.verify import (
+from commbench.inputs.models import ModelConfig
+from commbench.run.dist import launch
+from commbench.traffic.payload import (
     count_wrong_combine,
     count_wrong_rows,
     decode_header,
@@ -23,6 +21,8 @@ from commbench.verify import (
     expert_outputs,
     received_keys,
 )
+from commbench.traffic.plan import plan_rank, receive_offsets, row_matrix
+from commbench.traffic.routing import Routing
 
 # 6 experts over 3 ranks (2 each). Rank 2 routes nothing to rank 0 and rank 0 nothing to itself: zero splits.
 MODEL = ModelConfig(name="tiny", hidden=12, num_experts=6, topk=2)

@@ -1,0 +1,349 @@
+"""CPU emulator of the one-sided (NVSHMEM-style) dispatch/combine: a symmetric heap shared by local processes.
+
+Runs the layout and signalling of the shmem protocol (the same code the GPU backend uses) with
+real concurrent processes, so CI tests the put-based algorithm with verification on. Its timings are those of
+Python copies on a CPU: reports label the backend "shmem-emu (CPU emulator)" and never as GPU figures.
+
+The heap is one file in /dev/shm holding ``world_size`` equal PE regions, created by rank 0, mapped by every
+rank after a barrier and unlinked as soon as all have mapped it (nothing is left behind if a rank dies).
+
+Operations (one process = one PE; every item is issued by its source, as a GPU thread block would):
+
+* ``put``: copy rows into a peer's region.
+* ``put-with-signal``: put, then ``fence``, then the signal word store, so a receiver that sees the signal
+  sees the payload. Every signal word has a single writer (the word belongs to one source), so ADD is a
+  plain read-modify-write by that writer and 8-byte aligned stores are atomic on the hosts we run on.
+* ``fence`` / ``quiet``: a full memory barrier (CPython's lock acquire/release is an atomic read-modify-write,
+  a full barrier on x86-64 and AArch64); puts are synchronous copies, so quiet is a fence.
+* ``signal wait``: poll the receiver's own words until each reaches its expected value (``CMP_GE``), with
+  the communicator's timeout; a timeout raises CommError naming the sources that never signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from commbench.backends.base import Backend, CombineReduction
+from commbench.backends.shmem import protocol as proto
+from commbench.errors import CommError, UsageError
+from commbench.traffic.plan import RankPlan
+
+OPTION_DEFAULTS: dict[str, Any] = {
+    "chunk_rows": None,  # rows per put-with-signal (chunk granularity); default from chunk_bytes
+    "chunk_bytes": 64 * 1024,
+    "signal": "chunk",  # "chunk" | "segment"
+    "signal_op": "add",  # "add" | "set"
+}
+_FENCE_LOCK = threading.Lock()
+_POLL_MIN_S = 20e-6
+_POLL_MAX_S = 2e-3
+
+
+def fence() -> None:
+    """Full memory barrier between this process's earlier and later stores (see module docstring)."""
+    with _FENCE_LOCK:
+        pass
+
+
+def host_identity() -> str:
+    """Host name plus boot id: equal only for processes on the same machine (containers included)."""
+    boot = ""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+    except OSError:
+        pass
+    return f"{socket.gethostname()}/{boot}"
+
+
+def heap_directory() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class SharedHeap:
+    """``world_size`` PE regions of ``pe_bytes`` each, mapped from one shared file."""
+
+    def __init__(self, path: str, world_size: int, pe_bytes: int, create: bool) -> None:
+        self.path = path
+        self.world_size = world_size
+        self.pe_bytes = pe_bytes
+        size = world_size * pe_bytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)  # zero-filled: every signal word starts at 0
+            elif os.fstat(fd).st_size != size:
+                raise CommError(f"shmem-emu heap {path} has {os.fstat(fd).st_size} bytes, expected {size}")
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.bytes = np.frombuffer(self._map, dtype=np.uint8)
+
+    def view(self, pe: int, region: proto.Region) -> np.ndarray:
+        """``region`` of PE ``pe`` as a numpy array (int64 signal words, uint8 rows)."""
+        start = pe * self.pe_bytes + region.offset
+        raw = self.bytes[start : start + region.nbytes]
+        dtype = np.int64 if region.dtype == torch.int64 else np.uint8
+        return raw.view(dtype).reshape(region.shape)
+
+    def close(self) -> None:
+        self.bytes = np.empty(0, dtype=np.uint8)
+        # A caller may still hold a returned view: then the mapping goes when that is collected.
+        with contextlib.suppress(BufferError):
+            self._map.close()
+
+
+class ShmemEmuBackend(Backend):
+    name = "shmem-emu"
+    emulated = True
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The settings of ``options``; UsageError on a bad key or value (the CLI checks before launching)."""
+        settings = proto.parse_backend_options(cls.name, options, OPTION_DEFAULTS)
+        settings["signal"] = proto.choice_option(settings, "signal", proto.GRANULARITIES)
+        settings["signal_op"] = proto.choice_option(settings, "signal_op", tuple(proto.SIGNAL_OPS))
+        for key in ("chunk_rows", "chunk_bytes"):
+            proto.int_option(settings, key, 1)
+        return settings
+
+    def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
+        super().__init__(comm, options)
+        self.settings = self.check_options(self.options)
+        self.chunk_rows = proto.int_option(self.settings, "chunk_rows", 1)
+        self.chunk_bytes = proto.int_option(self.settings, "chunk_bytes", 1)
+        if comm.device.type != "cpu":
+            raise UsageError(
+                f"backend shmem-emu runs on CPU processes, got device {comm.device}; "
+                "use --backend nvshmem on GPUs"
+            )
+        self._heap: SharedHeap | None = None
+        self._heap_key: tuple[Any, ...] | None = None
+        self._reduce = CombineReduction()
+        self._reset_layout()
+
+    @property
+    def label(self) -> str:
+        return "shmem-emu (CPU emulator)"
+
+    def knobs(self) -> dict[str, Any]:
+        dispatch = self._signals[0] if self._signals else None
+        return {
+            "chunk_rows": dispatch.chunk_rows if dispatch else self.chunk_rows,
+            "signal": self.settings["signal"],
+            "signal_op": self.settings["signal_op"],
+        }
+
+    # ------------------------------------------------------------------------------------------------
+    # Setup: same-host check, worst-case sizing from every rank's counts, heap creation.
+
+    def _reset_layout(self) -> None:
+        self._signals: tuple[proto.SignalConfig, proto.SignalConfig] | None = None
+        self._capacity: proto.Capacity | None = None
+        self._layout: proto.HeapLayout | None = None
+        self._matrix_key: bytes | None = None
+        self._phases: dict[str, proto.PhaseLayout] = {}
+        self._trackers: dict[str, proto.SignalTracker] = {}
+
+    def setup(self, plan: RankPlan) -> None:
+        hosts = self.comm.all_gather_object(host_identity())
+        if len(set(hosts)) != 1:
+            raise UsageError(
+                "backend shmem-emu needs every rank on one host (a shared-memory heap); ranks run on "
+                f"{len(set(hosts))} hosts: use --backend gloo, nccl or nvshmem across hosts"
+            )
+        matrix = self._gather_counts(plan.send_counts)
+        self._signals = proto.phase_signal_configs(
+            self.settings["signal"],
+            self.settings["signal_op"],
+            plan.dispatch_row_bytes,
+            plan.combine_row_bytes,
+            self.chunk_rows,
+            self.chunk_bytes,
+        )
+        self._capacity = proto.buffer_capacity(matrix)
+        self._layout = proto.heap_layout(
+            self._capacity,
+            plan.dispatch_row_bytes,
+            plan.combine_row_bytes,
+            self._signals[0],
+            self._signals[1],
+            self.comm.world_size,
+        )
+        key = (self._layout.nbytes, tuple(self._layout.regions.values()))
+        if self._heap is None or self._heap_key != key:
+            self._open_heap()
+            self._heap_key = key
+        # Fresh counters need fresh (zero) signal words: a new heap is zero; a reused one is cleared, then
+        # every rank waits at a barrier so nobody signals into a word that is still being cleared.
+        else:
+            for phase in proto.PHASES:
+                self._heap.view(self.comm.rank, self._layout[f"{phase}_signal"])[:] = 0
+            fence()
+            self.comm.barrier()
+        self._trackers = {
+            phase: proto.SignalTracker(self.settings["signal_op"], self._layout[f"{phase}_signal"].shape[0])
+            for phase in proto.PHASES
+        }
+        self._matrix_key = None
+        self._use_matrix(matrix)
+
+    def _open_heap(self) -> None:
+        if self._heap is not None:
+            self.comm.barrier()  # nobody still reads the old heap
+            self._heap.close()
+            self._heap = None
+        assert self._layout is not None
+        comm = self.comm
+        name = f"commbench-shmem-emu-{uuid.uuid4().hex}" if comm.rank == 0 else None
+        path = os.path.join(heap_directory(), comm.all_gather_object(name)[0])
+        created = False
+        try:
+            if comm.rank == 0:
+                self._heap = SharedHeap(path, comm.world_size, self._layout.nbytes, create=True)
+                created = True
+            comm.barrier()  # the file exists and has its size
+            if comm.rank != 0:
+                self._heap = SharedHeap(path, comm.world_size, self._layout.nbytes, create=False)
+            comm.barrier()  # every rank has mapped it
+        finally:
+            if created:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+    def _gather_counts(self, send_counts: torch.Tensor) -> np.ndarray:
+        """Every rank's send counts: int64 [src, dst, slots] (a real MoE layer exchanges these too)."""
+        local = send_counts.detach().to(device="cpu", dtype=torch.int64).contiguous()
+        gathered = [torch.empty_like(local) for _ in range(self.comm.world_size)]
+        with self.comm.guard("shmem-emu count exchange"):
+            dist.all_gather(gathered, local, group=self.comm.group)
+        return torch.stack(gathered).numpy()
+
+    def _use_matrix(self, matrix: np.ndarray) -> None:
+        rows = proto.row_counts(matrix)
+        key = rows.tobytes()
+        if key == self._matrix_key:
+            return
+        assert self._capacity is not None and self._signals is not None
+        if not self._capacity.covers(rows):
+            raise UsageError(
+                "shmem-emu: the exchanged counts exceed the symmetric buffers sized at setup; call setup "
+                "with the plan whose counts are exchanged"
+            )
+        rank = self.comm.rank
+        self._phases = {
+            "dispatch": proto.phase_layout(rows, rank, self._signals[0], self._capacity),
+            "combine": proto.phase_layout(rows.T, rank, self._signals[1], self._capacity),
+        }
+        self._matrix_key = key
+
+    # ------------------------------------------------------------------------------------------------
+    # The backend contract.
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        matrix = self._gather_counts(send_counts)
+        if self._capacity is not None:
+            self._use_matrix(matrix)
+        return torch.from_numpy(np.ascontiguousarray(matrix[:, self.comm.rank, :])).to(send_counts.device)
+
+    def dispatch(self, tokens: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
+        layout = self._phase("dispatch")
+        heap, regions = self._heap_and_layout()
+        staging = torch.from_numpy(heap.view(self.comm.rank, regions["dispatch_send"]))[: layout.send_rows]
+        if plan.send_mode == "balanced":
+            staging.copy_(tokens)
+        else:
+            torch.index_select(tokens, 0, plan.send_token_index, out=staging)
+        buffer = self._run_phase("dispatch", layout, staging.numpy())
+        return torch.from_numpy(buffer[: layout.recv_rows])
+
+    def combine(self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
+        layout = self._phase("combine")
+        heap, regions = self._heap_and_layout()
+        rows, hidden = int(expert_out.shape[0]), int(expert_out.shape[1])
+        row_bytes = hidden * expert_out.element_size()
+        if rows != layout.send_rows or row_bytes != plan.combine_row_bytes:
+            raise ValueError(
+                f"combine got {rows} rows of {row_bytes} B, expected {layout.send_rows} rows of "
+                f"{plan.combine_row_bytes} B"
+            )
+        staging = heap.view(self.comm.rank, regions["combine_send"])[:rows]
+        torch.from_numpy(staging).copy_(expert_out.contiguous().view(torch.uint8))
+        buffer = self._run_phase("combine", layout, staging)
+        returned = torch.from_numpy(buffer[: layout.recv_rows]).view(expert_out.dtype)
+        return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
+
+    def synchronize(self) -> None:
+        pass  # puts and waits are synchronous
+
+    def close(self) -> None:
+        if self._heap is not None:
+            self._heap.close()
+            self._heap = None
+        self._heap_key = None
+        self._reset_layout()
+
+    # ------------------------------------------------------------------------------------------------
+    # One phase: puts with signals to every destination, then the wait for every source.
+
+    def _phase(self, phase: str) -> proto.PhaseLayout:
+        if phase not in self._phases:
+            raise RuntimeError("shmem-emu: setup(plan) must run before dispatch/combine")
+        return self._phases[phase]
+
+    def _heap_and_layout(self) -> tuple[SharedHeap, proto.HeapLayout]:
+        if self._heap is None or self._layout is None:
+            raise RuntimeError("shmem-emu: setup(plan) must run before dispatch/combine")
+        return self._heap, self._layout
+
+    def _run_phase(self, phase: str, layout: proto.PhaseLayout, staging: np.ndarray) -> np.ndarray:
+        """Issue this rank's items, wait for its own signals; returns its receive buffer of this epoch."""
+        heap, regions = self._heap_and_layout()
+        epoch, expected = self._trackers[phase].advance(layout)
+        side = proto.parity(epoch)
+        recv_region, signal_region = regions[f"{phase}_recv"], regions[f"{phase}_signal"]
+        value = proto.signal_value(layout.signals.op, epoch)
+        add = layout.signals.op == "add"
+        for dst, src_row, dst_row, rows, word in layout.items_table().tolist():
+            if rows:
+                target = heap.view(dst, recv_region)[side]
+                target[dst_row : dst_row + rows] = staging[src_row : src_row + rows]
+            fence()  # the payload is visible before the signal
+            words = heap.view(dst, signal_region)
+            words[word] = words[word] + value if add else value
+        fence()  # quiet: every put of this rank is complete
+        self._wait(phase, layout, heap.view(self.comm.rank, signal_region), expected, epoch)
+        return heap.view(self.comm.rank, recv_region)[side]
+
+    def _wait(
+        self, phase: str, layout: proto.PhaseLayout, words: np.ndarray, expected: np.ndarray, epoch: int
+    ) -> None:
+        timeout_s = float(self.comm.timeout_s)
+        deadline = time.monotonic() + timeout_s
+        pause = _POLL_MIN_S
+        while True:
+            if np.all(words[layout.wait_word] >= expected):
+                fence()  # reads of the payload come after the signal reads
+                return
+            if time.monotonic() > deadline:
+                missing = proto.missing_sources(layout, words, expected)
+                raise CommError(
+                    f"shmem-emu: rank {self.comm.rank} waited {timeout_s:g} s in {phase} (iteration {epoch}) "
+                    f"for the signals of rank(s) {', '.join(map(str, missing))}; a peer died, hung or ran "
+                    "a different plan"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)

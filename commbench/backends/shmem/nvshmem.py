@@ -1,0 +1,516 @@
+"""NVSHMEM device-initiated puts: the one-sided dispatch/combine path (DeepEP / pplx-kernels style) on GPUs.
+
+NVSHMEM is bootstrapped from the running torch.distributed job through torch symmetric memory
+(``set_backend("NVSHMEM")``, ``empty``, ``rendezvous``: torch shares NVSHMEM's unique id over the process
+group's store), so the same torchrun / Slurm launch serves the NCCL and NVSHMEM backends. Every PE holds the
+symmetric heap of ``commbench.backends.shmem.protocol.heap_layout`` in one symmetric allocation.
+
+Per phase the host launches, with no loop over peers:
+
+1. a local gather of the rows to send into the symmetric staging buffer (dispatch: ``index_select`` of the
+   token rows, as every dispatcher packs; combine: a copy of the expert outputs),
+2. the put kernel (Triton, ``num_blocks`` programs): every program takes work items (chunks or whole
+   segments, from ``shmem_protocol.phase_layout``) and issues one ``nvshmemx_putmem_signal_nbi_block`` each,
+   straight into the destination's receive buffer, then ``nvshmem_quiet``,
+3. the wait kernel: one program per expected signal word, waiting until it reaches its expected value
+   (``CMP_GE``), by default spinning with a timeout (a dead peer becomes CommError, not a hang),
+4. combine only: the weighted reduction into token order (``index_add_``, as the all-to-all backends).
+
+The layout (offsets, items, waits) comes from the exchanged counts and is uploaded once per distinct count
+matrix. Options (``--backend-option KEY=VALUE``, all in every result row through ``knobs``):
+``num_blocks`` (programs = SMs used; default: all SMs), ``num_warps`` (threads per program / 32),
+``chunk_bytes`` or ``chunk_rows``, ``signal`` (chunk | segment), ``signal_op`` (add | set),
+``wait`` (spin | nvshmem), ``put`` (nbi | blocking), ``variant`` (put | vdev2d: torch's
+``torch.ops.symm_mem.all_to_all_vdev_2d`` expert-major exchange as a reference).
+
+All GPU imports are lazy: on a machine without CUDA devices the constructor (and ``check_available``)
+raises UsageError, which the CLI turns into a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from commbench.backends.base import Backend, CombineReduction
+from commbench.backends.shmem import protocol as proto
+from commbench.errors import CommbenchError, CommError, UsageError
+from commbench.traffic.plan import RankPlan
+
+OPTION_DEFAULTS: dict[str, Any] = {
+    "variant": "put",  # "put" (this backend's kernels) | "vdev2d" (torch's all_to_all_vdev_2d reference)
+    "num_blocks": 0,  # programs of the put kernel; 0 = one per SM
+    "num_warps": 16,
+    "chunk_rows": None,
+    "chunk_bytes": 128 * 1024,
+    "signal": "chunk",
+    "signal_op": "add",
+    "wait": "spin",  # "spin" (timeout -> CommError) | "nvshmem" (nvshmem_signal_wait_until, no timeout)
+    "put": "nbi",  # "nbi" (nvshmemx_putmem_signal_nbi_block) | "blocking" (nvshmemx_putmem_signal_block)
+}
+CHOICES = {
+    "variant": ("put", "vdev2d"),
+    "wait": ("spin", "nvshmem"),
+    "put": ("nbi", "blocking"),
+    "signal": proto.GRANULARITIES,
+    "signal_op": tuple(proto.SIGNAL_OPS),
+}
+NEEDS = (
+    "needs CUDA GPUs and NVSHMEM (a CUDA build of torch with NVSHMEM, Triton and the nvidia-nvshmem wheel)"
+)
+KERNEL_HINT = (
+    "it needs Triton >= 3.4 and NVSHMEM device bitcode (libnvshmem_device.bc, NVSHMEM_LIB_DIR) of the "
+    "NVSHMEM version torch pins; see docs/nvshmem.md"
+)
+# torch's all_to_all_vdev_2d kernels keep per-expert and per-rank prefix sums in fixed tiles (512 threads,
+# 32-wide warp scans): dispatch takes <= 16 experts per rank and <= 32 ranks, the combine (_offset) op
+# <= 32 experts per rank and <= 16 ranks (TORCH_CHECKs in nvshmem_extension.cu).
+VDEV2D_MAX_EXPERTS_PER_RANK = 16
+VDEV2D_MAX_RANKS = 16
+
+
+def _error_summary(exc: BaseException) -> str:
+    """First and last non-empty lines of an error (Triton puts the cause last, after the source excerpt)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+class NvshmemBackend(Backend):
+    name = "nvshmem"
+    emulated = False
+
+    @classmethod
+    def check_available(cls) -> None:
+        """UsageError (one line, exit 2) unless this host has CUDA devices and torch with NVSHMEM."""
+        if torch.cuda.device_count() < 1:
+            raise UsageError(
+                f"--backend nvshmem {NEEDS}; this host has no CUDA device (use --backend shmem-emu on CPU)"
+            )
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+        except ImportError as exc:
+            raise UsageError(f"--backend nvshmem {NEEDS}; torch symmetric memory is missing: {exc}") from None
+        if not symm_mem.is_nvshmem_available():
+            raise UsageError(f"--backend nvshmem {NEEDS}; this torch build reports no NVSHMEM")
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The settings of ``options``; UsageError on a bad key or value (the CLI checks before launching)."""
+        settings = proto.parse_backend_options(cls.name, options, OPTION_DEFAULTS)
+        for key, allowed in CHOICES.items():
+            settings[key] = proto.choice_option(settings, key, allowed)
+        for key, minimum in (("num_blocks", 0), ("num_warps", 1), ("chunk_rows", 1), ("chunk_bytes", 1)):
+            proto.int_option(settings, key, minimum)
+        return settings
+
+    def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
+        super().__init__(comm, options)
+        self.settings = self.check_options(self.options)
+        self.num_blocks = proto.int_option(self.settings, "num_blocks", 0) or 0
+        self.num_warps = proto.int_option(self.settings, "num_warps", 1) or 16
+        self.chunk_rows = proto.int_option(self.settings, "chunk_rows", 1)
+        self.chunk_bytes = proto.int_option(self.settings, "chunk_bytes", 1)
+        self.variant = self.settings["variant"]
+        self.check_available()
+        self._bind_device()
+        self._heap: torch.Tensor | None = None
+        self._heap_bytes = 0
+        self._reset()
+
+    def _bind_device(self) -> None:
+        comm = self.comm
+        if comm.device.type != "cuda":
+            raise UsageError(f"--backend nvshmem runs one rank per GPU, got device {comm.device}")
+        group = comm.group if comm.group is not None else dist.group.WORLD
+        if dist.get_world_size() != comm.world_size:
+            raise UsageError(
+                "--backend nvshmem runs on the whole job (NVSHMEM PEs = global ranks), not a subgroup"
+            )
+        self._group = group
+        self._group_name = group.group_name
+        torch.cuda.set_device(comm.device)
+        if self.num_blocks == 0:
+            self.num_blocks = torch.cuda.get_device_properties(comm.device).multi_processor_count
+
+    @property
+    def label(self) -> str:
+        return "nvshmem" if self.variant == "put" else "nvshmem vdev2d (torch)"
+
+    def knobs(self) -> dict[str, Any]:
+        dispatch = self._signals[0] if self._signals else None
+        return {
+            "variant": self.variant,
+            "num_blocks": self.num_blocks,
+            "num_warps": self.num_warps,
+            "chunk_rows": dispatch.chunk_rows if dispatch else self.chunk_rows,
+            "chunk_bytes": dispatch.chunk_rows * self._row_bytes if dispatch else self.chunk_bytes,
+            "signal": self.settings["signal"],
+            "signal_op": self.settings["signal_op"],
+            "wait": self.settings["wait"],
+            "put": self.settings["put"],
+        }
+
+    def _reset(self) -> None:
+        self._signals: tuple[proto.SignalConfig, proto.SignalConfig] | None = None
+        self._capacity: proto.Capacity | None = None
+        self._layout: proto.HeapLayout | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        self._addr: dict[str, int] = {}
+        self._phases: dict[str, proto.PhaseLayout] = {}
+        self._device_tables: dict[str, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._trackers: dict[str, proto.SignalTracker] = {}
+        self._matrix_key: bytes | None = None
+        self._errors: dict[str, torch.Tensor] = {}
+        self._row_bytes = 0
+        self._reduce = CombineReduction()
+        self._vdev: dict[str, Any] = {}
+        # Kernels that compiled and launched once: later errors pass through unchanged.
+        self._launched: set[str] = set()
+
+    # ------------------------------------------------------------------------------------------------
+    # Setup: NVSHMEM bootstrap through torch symmetric memory, worst-case heap, kernels.
+
+    def setup(self, plan: RankPlan) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        matrix = self._gather_counts(plan.send_counts)
+        self._signals = proto.phase_signal_configs(
+            self.settings["signal"],
+            self.settings["signal_op"],
+            plan.dispatch_row_bytes,
+            plan.combine_row_bytes,
+            self.chunk_rows,
+            self.chunk_bytes,
+        )
+        self._row_bytes = plan.dispatch_row_bytes
+        # A previous setup's views and vdev buffers must not keep old symmetric memory alive (heap budget).
+        self._views, self._addr, self._vdev = {}, {}, {}
+        self._capacity = proto.buffer_capacity(matrix)
+        self._layout = proto.heap_layout(
+            self._capacity,
+            plan.dispatch_row_bytes,
+            plan.combine_row_bytes,
+            self._signals[0],
+            self._signals[1],
+            self.comm.world_size,
+        )
+        self._allocate(symm_mem, self._layout.nbytes)
+        assert self._heap is not None
+        base = self._heap.data_ptr()
+        for name, region in self._layout.regions.items():
+            raw = self._heap[region.offset : region.offset + region.nbytes]
+            self._views[name] = raw.view(region.dtype).view(region.shape)
+            self._addr[name] = base + region.offset
+        for phase in proto.PHASES:
+            self._views[f"{phase}_signal"].zero_()
+        # Nobody may signal into a word that a peer is still clearing.
+        self._device_synchronize()
+        self.comm.barrier()
+        self._trackers = {
+            phase: proto.SignalTracker(self.settings["signal_op"], self._layout[f"{phase}_signal"].shape[0])
+            for phase in proto.PHASES
+        }
+        # Pinned: the wait kernel writes timeout flags there and the host reads them without a device copy.
+        pinned = self.comm.device.type == "cuda"
+        self._errors = {
+            phase: torch.zeros(self._layout[f"{phase}_signal"].shape[0], dtype=torch.int32, pin_memory=pinned)
+            for phase in proto.PHASES
+        }
+        self._matrix_key = None
+        self._device_tables = {}
+        self._use_matrix(matrix)
+        if self.variant == "vdev2d":
+            self._setup_vdev(symm_mem, plan)
+        else:
+            self._put, self._wait = self._load_kernels()
+
+    def _load_kernels(self) -> tuple[Any, Any]:
+        from commbench.backends import nvshmem_kernels
+
+        try:
+            return nvshmem_kernels.launchers()
+        except RuntimeError as exc:
+            raise UsageError(f"--backend nvshmem {NEEDS}; {exc}") from None
+
+    def _device_synchronize(self) -> None:
+        if self.comm.device.type == "cuda":
+            torch.cuda.synchronize(self.comm.device)
+
+    def _allocate(self, symm_mem: Any, nbytes: int) -> None:
+        if self._heap is not None and self._heap_bytes >= nbytes:
+            return
+        # NVSHMEM reads these when it initializes (first symmetric allocation); a user's values win.
+        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, 2 * nbytes + (256 << 20))))
+        os.environ.setdefault(
+            "TORCH_SYMMMEM_IMPLICIT_POOL", "0"
+        )  # plain nvshmem_malloc: same offsets on all PEs
+        with contextlib.suppress(RuntimeError):  # already set by an earlier setup in this process
+            symm_mem.set_backend("NVSHMEM")
+        self._heap = None
+        try:
+            heap = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.comm.device)
+            symm_mem.rendezvous(heap, self._group_name)
+        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
+            raise UsageError(
+                f"nvshmem: could not allocate a {nbytes / 2**20:.1f} MiB symmetric heap "
+                f"({_error_summary(exc)}); set NVSHMEM_SYMMETRIC_SIZE above {2 * nbytes} bytes or use "
+                "fewer tokens"
+            ) from None
+        # The kernels address the heap through NVSHMEM: memory of another symmetric backend would fault.
+        backend = getattr(symm_mem, "get_backend", lambda device: "NVSHMEM")(self.comm.device)
+        if backend not in (None, "NVSHMEM"):
+            raise UsageError(
+                f"nvshmem: torch symmetric memory uses the {backend} backend in this process, not NVSHMEM "
+                "(set_backend must come before any other symmetric allocation); run commbench on its own"
+            )
+        self._heap = heap
+        self._heap_bytes = nbytes
+
+    def _gather_counts(self, send_counts: torch.Tensor) -> np.ndarray:
+        """Every rank's send counts [src, dst, slots] (all_gather on the job's process group)."""
+        local = send_counts.detach().to(device=self.comm.device, dtype=torch.int64).contiguous()
+        gathered = torch.empty((self.comm.world_size, *local.shape), dtype=torch.int64, device=local.device)
+        with self.comm.guard("nvshmem count exchange"):
+            dist.all_gather_into_tensor(gathered, local, group=self._group)
+        return gathered.cpu().numpy()
+
+    def _use_matrix(self, matrix: np.ndarray) -> None:
+        rows = proto.row_counts(matrix)
+        key = rows.tobytes() + np.asarray(matrix).tobytes()
+        if key == self._matrix_key:
+            return
+        assert self._capacity is not None and self._signals is not None
+        if not self._capacity.covers(rows):
+            raise UsageError("nvshmem: exchanged counts exceed the symmetric buffers sized at setup")
+        device = self.comm.device
+        rank = self.comm.rank
+        self._phases = {
+            "dispatch": proto.phase_layout(rows, rank, self._signals[0], self._capacity),
+            "combine": proto.phase_layout(rows.T, rank, self._signals[1], self._capacity),
+        }
+        for phase, layout in self._phases.items():
+            tracker = self._trackers[phase]
+            # Expected value of wait w at epoch e: base[w] + increment[w] * (e - epoch0) (ADD), e (SET).
+            base = tracker.totals[layout.wait_word]
+            waits = np.stack([layout.wait_word, base, layout.wait_increment], axis=1).astype(np.int64)
+            items = torch.from_numpy(layout.items_table()).to(device)
+            self._device_tables[phase] = (items, torch.from_numpy(waits).to(device), tracker.epoch)
+        self._matrix = np.asarray(matrix)
+        self._matrix_key = key
+        self._vdev.pop("perm", None)
+
+    # ------------------------------------------------------------------------------------------------
+    # The backend contract.
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        matrix = self._gather_counts(send_counts)
+        if self._capacity is not None:
+            self._use_matrix(matrix)
+        return torch.from_numpy(np.ascontiguousarray(matrix[:, self.comm.rank, :])).to(send_counts.device)
+
+    def dispatch(self, tokens: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
+        layout = self._phases["dispatch"]
+        if self.variant == "vdev2d":
+            return self._dispatch_vdev(tokens, plan, layout)
+        staging = self._views["dispatch_send"][: layout.send_rows]
+        if plan.send_mode == "balanced":
+            staging.copy_(tokens)
+        else:
+            torch.index_select(tokens, 0, plan.send_token_index, out=staging)
+        side = self._run_phase("dispatch", layout, plan.dispatch_row_bytes)
+        return self._views["dispatch_recv"][side][: layout.recv_rows]
+
+    def combine(self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
+        layout = self._phases["combine"]
+        rows, hidden = int(expert_out.shape[0]), int(expert_out.shape[1])
+        if rows != layout.send_rows or hidden * expert_out.element_size() != plan.combine_row_bytes:
+            raise ValueError(
+                f"combine got {rows} rows of {hidden * expert_out.element_size()} B, expected "
+                f"{layout.send_rows} of {plan.combine_row_bytes}"
+            )
+        if self.variant == "vdev2d":
+            returned = self._combine_vdev(expert_out, plan, recv_counts, layout)
+        else:
+            self._views["combine_send"][:rows].copy_(expert_out.contiguous().view(torch.uint8))
+            side = self._run_phase("combine", layout, plan.combine_row_bytes)
+            returned = self._views["combine_recv"][side][: layout.recv_rows].view(expert_out.dtype)
+        return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
+
+    def synchronize(self) -> None:
+        self._device_synchronize()
+        for phase, flags in self._errors.items():
+            if flags.any():  # pinned host memory the wait kernel wrote: no device round trip
+                failed = np.flatnonzero(flags.numpy()[: self._phases[phase].wait_word.size])
+                sources = sorted({int(s) for s in self._phases[phase].wait_source[failed]})
+                flags.zero_()
+                raise CommError(
+                    f"nvshmem: rank {self.comm.rank} waited {self.comm.timeout_s:g} s in {phase} for the "
+                    f"signals of rank(s) {', '.join(map(str, sources))}; a peer died or hung"
+                )
+
+    def close(self) -> None:
+        if self._heap is not None:
+            self._device_synchronize()
+        # Symmetric memory is freed collectively by torch when the last reference goes.
+        self._heap = None
+        self._heap_bytes = 0
+        self._reset()
+
+    # ------------------------------------------------------------------------------------------------
+    # The put path.
+
+    def _run_phase(self, phase: str, layout: proto.PhaseLayout, row_bytes: int) -> int:
+        """Launch the put and wait kernels of one iteration; returns the receive buffer's parity."""
+        epoch, _expected = self._trackers[phase].advance(layout)
+        self.launch_puts(phase, layout, row_bytes, epoch)
+        self._launch_waits(phase, layout, epoch)
+        return proto.parity(epoch)
+
+    def launch_puts(self, phase: str, layout: proto.PhaseLayout, row_bytes: int, epoch: int) -> None:
+        """The put kernel alone (benchmarks/gpu_check.py times it back to back: loopback bandwidth)."""
+        items, _waits, _epoch0 = self._device_tables[phase]
+        recv_region = self._layout[f"{phase}_recv"]  # type: ignore[index]
+        recv_addr = self._addr[f"{phase}_recv"] + proto.parity(epoch) * (recv_region.nbytes // 2)
+        signals = layout.signals
+        grid = (min(self.num_blocks, layout.num_items),)
+        try:
+            self._put[grid](
+                items,
+                self._addr[f"{phase}_send"],
+                recv_addr,
+                self._addr[f"{phase}_signal"],
+                layout.num_items,
+                row_bytes,
+                proto.signal_value(signals.op, epoch),
+                signals.nvshmem_op,
+                BLOCKING=self.settings["put"] == "blocking",
+                num_warps=self.num_warps,
+            )
+        except Exception as exc:
+            self._kernel_failed("put", exc)
+        self._launched.add("put")
+
+    def _launch_waits(self, phase: str, layout: proto.PhaseLayout, epoch: int) -> None:
+        _items, waits, epoch0 = self._device_tables[phase]
+        try:
+            self._wait[(int(layout.wait_word.size),)](
+                waits,
+                self._addr[f"{phase}_signal"],
+                epoch - epoch0,
+                epoch,
+                int(self.comm.timeout_s * 1e9),
+                self._errors[phase].data_ptr(),
+                USE_SET=layout.signals.op == "set",
+                SPIN=self.settings["wait"] == "spin",
+                num_warps=1,
+            )
+        except Exception as exc:
+            self._kernel_failed("wait", exc)
+        self._launched.add("wait")
+
+    def _kernel_failed(self, kernel: str, exc: Exception) -> None:
+        """Re-raise a kernel's error: a one-line UsageError when it never compiled and launched before (a
+        Triton / NVSHMEM bitcode mismatch), the error itself after that (a fault at run time)."""
+        if kernel in self._launched or isinstance(exc, CommbenchError):
+            raise exc
+        raise UsageError(
+            f"--backend nvshmem: the Triton {kernel} kernel failed to build or launch "
+            f"({_error_summary(exc)}); {KERNEL_HINT}"
+        ) from exc
+
+    # ------------------------------------------------------------------------------------------------
+    # Reference variant: torch's all_to_all_vdev_2d (expert-major dispatch) / _offset (combine).
+
+    def _setup_vdev(self, symm_mem: Any, plan: RankPlan) -> None:
+        if not hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"):
+            raise UsageError(
+                "variant=vdev2d needs torch.ops.symm_mem.all_to_all_vdev_2d (torch >= 2.9); use variant=put"
+            )
+        assert self._capacity is not None
+        world, slots = self.comm.world_size, int(plan.send_counts.shape[1])
+        if slots > VDEV2D_MAX_EXPERTS_PER_RANK or world > VDEV2D_MAX_RANKS:
+            raise UsageError(
+                "variant=vdev2d: torch's all_to_all_vdev_2d kernels take at most "
+                f"{VDEV2D_MAX_EXPERTS_PER_RANK} experts per rank and {VDEV2D_MAX_RANKS} ranks, this run has "
+                f"{slots} and {world}; use more ranks, --send-mode token (one slot per rank) or variant=put"
+            )
+        splits = world * slots
+        device = self.comm.device
+        cap = self._capacity
+        disp, comb = plan.dispatch_row_bytes, max(1, plan.combine_row_bytes)
+
+        def symmetric(*shape: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+            tensor = symm_mem.empty(*(max(1, n) for n in shape), dtype=dtype, device=device)
+            symm_mem.rendezvous(tensor, self._group_name)
+            return tensor
+
+        # Byte tensors: splits and offsets in bytes mean the same whether torch counts dim-0 rows or elements.
+        self._vdev = {
+            "slots": slots,
+            "in": symmetric(cap.send_rows * disp),
+            "out": symmetric((cap.recv_rows + slots) * disp),  # + one row of padding per expert
+            "in_splits": symmetric(splits, dtype=torch.int64),
+            "out_splits_offsets": symmetric(2, splits, dtype=torch.int64),
+            "c_in": symmetric(cap.recv_rows * comb),
+            "c_out": symmetric(cap.send_rows * comb),
+            "c_in_splits_offsets": symmetric(2, splits, dtype=torch.int64),
+            "c_out_splits_offsets": symmetric(2, splits, dtype=torch.int64),
+            "result": torch.empty((cap.recv_rows, disp), dtype=torch.uint8, device=device),
+        }
+
+    def _vdev_order(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per received row (source order): its (expert, source) block id and index in the block (cached)."""
+        if "perm" not in self._vdev:
+            block, within = proto.expert_major_blocks(self._matrix[:, self.comm.rank, :])
+            device = self.comm.device
+            self._vdev["perm"] = (torch.from_numpy(block).to(device), torch.from_numpy(within).to(device))
+        return self._vdev["perm"]
+
+    def _dispatch_vdev(self, tokens: torch.Tensor, plan: RankPlan, layout: proto.PhaseLayout) -> torch.Tensor:
+        v = self._vdev
+        rows_out = v["in"][: layout.send_rows * plan.dispatch_row_bytes].view(layout.send_rows, -1)
+        if plan.send_mode == "balanced":
+            rows_out.copy_(tokens)
+        else:
+            torch.index_select(tokens, 0, plan.send_token_index, out=rows_out)
+        v["in_splits"].copy_(plan.send_counts.reshape(-1) * plan.dispatch_row_bytes)
+        torch.ops.symm_mem.all_to_all_vdev_2d(
+            v["in"],
+            v["out"],
+            v["in_splits"],
+            v["out_splits_offsets"],
+            self._group_name,
+            major_align=plan.dispatch_row_bytes,
+        )
+        block, within = self._vdev_order()
+        start_rows = v["out_splits_offsets"][1] // plan.dispatch_row_bytes
+        position = start_rows[block] + within
+        expert_major = v["out"].view(-1, plan.dispatch_row_bytes)
+        return torch.index_select(expert_major, 0, position, out=v["result"][: layout.recv_rows])
+
+    def _combine_vdev(
+        self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor, layout: proto.PhaseLayout
+    ) -> torch.Tensor:
+        v = self._vdev
+        row_bytes = plan.combine_row_bytes
+        rows = int(expert_out.shape[0])
+        v["c_in"][: rows * row_bytes].view(rows, row_bytes).copy_(expert_out.contiguous().view(torch.uint8))
+        counts = recv_counts.to(torch.int64)  # [src, expert], source-major blocks in expert_out
+        starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
+        # Input blocks listed expert-major (e, src), pointing into the source-order rows.
+        v["c_in_splits_offsets"][0].copy_(counts.t().reshape(-1) * row_bytes)
+        v["c_in_splits_offsets"][1].copy_(starts.view(counts.shape).t().reshape(-1) * row_bytes)
+        torch.ops.symm_mem.all_to_all_vdev_2d_offset(
+            v["c_in"], v["c_out"], v["c_in_splits_offsets"], v["c_out_splits_offsets"], self._group_name
+        )
+        return (
+            v["c_out"][: layout.recv_rows * row_bytes]
+            .view(layout.recv_rows, row_bytes)
+            .view(expert_out.dtype)
+        )

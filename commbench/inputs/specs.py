@@ -1,0 +1,219 @@
+"""Hardware spec catalogue: NVLink-domain and scale-out bandwidths of a system, each with a stated direction.
+
+The shipped specs are the YAML files in ``commbench/inputs/catalogue/`` (package data), each value with its
+source in a comment. A user passes a name (``gb300-nvl72``) or the path of their own YAML file with the same
+keys.
+
+Direction conventions, binding for every user of a spec:
+
+- ``nvlink_GBps_per_direction``: one GPU's NVLink bandwidth ONE way (NVLink 5: 1.8 TB/s bidirectional =
+  900 GB/s per direction). Achieved per-GPU figures (bytes one rank sent, or received, per second) are
+  compared with this, never with the bidirectional figure.
+- ``nic_Gbps_per_direction``: one GPU's scale-out NIC line rate in Gb/s, one way (Ethernet and InfiniBand
+  line rates are per direction, full duplex); ``nic_GBps_per_direction`` = that / 8.
+- ``aggregate_GBps_bidirectional``: the whole domain, both directions summed (NVL72: 130 TB/s);
+  ``aggregate_GBps_per_direction(ranks)`` halves it and scales it to the ranks used.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, fields
+from importlib import resources
+from typing import Any
+
+import yaml
+
+from commbench.errors import UsageError
+
+DEFAULT_SPEC_NAME = "gb300-nvl72"
+
+# key -> (type, required). Counts are ints, bandwidths floats (ints accepted), flags bools, text str.
+_KEYS: dict[str, tuple[type, bool]] = {
+    "name": (str, True),
+    "gpus_per_domain": (int, True),
+    "nvlink_GBps_per_direction": (float, True),
+    "nic_Gbps_per_direction": (float, True),
+    "description": (str, False),
+    "gpu": (str, False),
+    "nic": (str, False),
+    "gpus_per_host": (int, False),
+    "nvlink_links_per_gpu": (int, False),
+    "aggregate_GBps_bidirectional": (float, False),
+    "nics_per_gpu": (int, False),
+    "rail_optimized": (bool, False),
+    "oversubscription": (float, False),
+    "pod_gpus": (int, False),
+    # Fabric-model overrides (docs/fabric-model.md); absent = the calibrated model defaults.
+    "nvlink_efficiency": (float, False),
+    "scaleout_efficiency": (float, False),
+    "phase_latency_us": (float, False),
+    "nvlink_peer_latency_us": (float, False),
+    "scaleout_peer_latency_us": (float, False),
+}
+# Keys that may be zero (pod_gpus = 0: the whole scale-out fabric is one non-blocking pod) or are flags/text.
+_MAY_BE_ZERO = {"pod_gpus", "phase_latency_us", "nvlink_peer_latency_us", "scaleout_peer_latency_us"}
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    """One system's link bandwidths. See the module docstring for the direction of every figure."""
+
+    name: str
+    gpus_per_domain: int
+    nvlink_GBps_per_direction: float
+    nic_Gbps_per_direction: float
+    description: str = ""
+    gpu: str = ""
+    nic: str = ""
+    gpus_per_host: int = 0  # 0 = one host per domain (HGX servers)
+    nvlink_links_per_gpu: int = 0  # 0 = not stated
+    aggregate_GBps_bidirectional: float = 0.0  # 0 = gpus_per_domain x 2 x nvlink_GBps_per_direction
+    nics_per_gpu: int = 1  # informational: nic_Gbps_per_direction is already the GPU's total
+    rail_optimized: bool = True
+    oversubscription: float = 1.0  # scale-out leaf-to-spine oversubscription (1 = non-blocking)
+    pod_gpus: int = 0  # GPUs under one leaf group; traffic leaving it shares uplinks (0 = one pod)
+    nvlink_efficiency: float | None = None
+    scaleout_efficiency: float | None = None
+    phase_latency_us: float | None = None
+    nvlink_peer_latency_us: float | None = None
+    scaleout_peer_latency_us: float | None = None
+    source: str = ""  # file the spec was read from
+
+    @property
+    def ranks_per_host(self) -> int:
+        return self.gpus_per_host or self.gpus_per_domain
+
+    @property
+    def nvlink_GBps_bidirectional(self) -> float:
+        return 2.0 * self.nvlink_GBps_per_direction
+
+    @property
+    def nic_GBps_per_direction(self) -> float:
+        """Scale-out bandwidth per GPU, one way, in GB/s (800 Gb/s -> 100 GB/s)."""
+        return self.nic_Gbps_per_direction / 8.0
+
+    @property
+    def domain_aggregate_GBps_bidirectional(self) -> float:
+        return (
+            self.aggregate_GBps_bidirectional or 2.0 * self.gpus_per_domain * self.nvlink_GBps_per_direction
+        )
+
+    def aggregate_GBps_per_direction(self, ranks: int) -> float:
+        """The domain's aggregate one way, scaled to ``ranks`` GPUs (NVL72: 65 TB/s x ranks / 72)."""
+        return self.domain_aggregate_GBps_bidirectional / 2.0 * ranks / self.gpus_per_domain
+
+    def describe(self) -> str:
+        return (
+            f"{self.name}: NVLink {self.nvlink_GBps_per_direction:g} GB/s per GPU per direction "
+            f"({self.nvlink_GBps_bidirectional:g} bidirectional), {self.gpus_per_domain} GPUs per NVLink "
+            f"domain, aggregate {self.domain_aggregate_GBps_bidirectional:g} GB/s bidirectional; scale-out "
+            f"{self.nic_Gbps_per_direction:g} Gb/s = {self.nic_GBps_per_direction:g} GB/s per GPU per "
+            "direction"
+        )
+
+    def to_bandwidth_spec(self) -> Any:
+        """The report's ``BandwidthSpec`` (NVLink-domain and NIC figures) for this system."""
+        from commbench.report import BandwidthSpec  # lazy: the report pulls in pandas/matplotlib
+
+        return BandwidthSpec.from_system(self)
+
+
+def list_specs() -> list[str]:
+    """Names of the shipped specs."""
+    root = resources.files("commbench.inputs").joinpath("catalogue")
+    return sorted(p.name[: -len(".yaml")] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def _looks_like_path(text: str) -> bool:
+    return text.endswith((".yaml", ".yml")) or os.sep in text or "/" in text or os.path.isfile(text)
+
+
+def load_spec(name_or_path: str | SystemSpec | None = None) -> SystemSpec:
+    """A shipped spec by name (default ``gb300-nvl72``) or a YAML file path; UsageError on bad input."""
+    if isinstance(name_or_path, SystemSpec):
+        return name_or_path
+    text = (name_or_path or DEFAULT_SPEC_NAME).strip()
+    if _looks_like_path(text):
+        if not os.path.isfile(text):
+            raise UsageError(
+                f"spec file {text!r} does not exist; pass a shipped name ({', '.join(list_specs())})"
+            )
+        with open(text, encoding="utf-8") as handle:
+            return parse_spec(handle.read(), source=text)
+    if text not in list_specs():
+        raise UsageError(
+            f"unknown spec {text!r}; choose one of {', '.join(list_specs())} or pass a YAML file path"
+        )
+    data = (
+        resources.files("commbench.inputs")
+        .joinpath("catalogue")
+        .joinpath(f"{text}.yaml")
+        .read_text(encoding="utf-8")
+    )
+    return parse_spec(data, source=f"commbench/inputs/catalogue/{text}.yaml")
+
+
+def parse_spec(text: str, source: str = "<string>") -> SystemSpec:
+    """Validate YAML text into a SystemSpec; every problem is a one-line UsageError naming ``source``."""
+    where = f"spec {source}"
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise UsageError(f"{where}: bad YAML{line} ({problem}); fix the file's syntax") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{where}: expected a mapping of keys to values, got {type(data).__name__}")
+    unknown = sorted(str(k) for k in data if k not in _KEYS)
+    if unknown:
+        raise UsageError(f"{where}: unknown key(s) {', '.join(unknown)}; accepted keys: {', '.join(_KEYS)}")
+    missing = [k for k, (_, required) in _KEYS.items() if required and data.get(k) is None]
+    if missing:
+        raise UsageError(
+            f"{where}: missing key(s) {', '.join(missing)}; see commbench/inputs/catalogue/gb300-nvl72.yaml"
+        )
+    values: dict[str, Any] = {"source": source}
+    for key, raw in data.items():
+        if raw is None:
+            continue
+        values[key] = _checked(where, key, raw)
+    spec = SystemSpec(**values)
+    if spec.gpus_per_host and spec.gpus_per_domain % spec.gpus_per_host:
+        raise UsageError(
+            f"{where}: gpus_per_domain {spec.gpus_per_domain} is not a multiple of gpus_per_host "
+            f"{spec.gpus_per_host}; a host must sit inside one NVLink domain"
+        )
+    if spec.oversubscription < 1.0:
+        raise UsageError(
+            f"{where}: oversubscription {spec.oversubscription:g} < 1; use 1 for a non-blocking fabric"
+        )
+    for key in ("nvlink_efficiency", "scaleout_efficiency"):
+        value = getattr(spec, key)
+        if value is not None and value > 1.0:
+            raise UsageError(f"{where}: {key} {value:g} > 1; an efficiency is a fraction of line rate")
+    return spec
+
+
+def _checked(where: str, key: str, raw: Any) -> Any:
+    kind = _KEYS[key][0]
+    if kind is str:
+        return str(raw)
+    if kind is bool:
+        if not isinstance(raw, bool):
+            raise UsageError(f"{where}: {key} must be true or false, got {raw!r}")
+        return raw
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise UsageError(f"{where}: {key} must be a number, got {raw!r}")
+    if kind is int and (not float(raw).is_integer()):
+        raise UsageError(f"{where}: {key} must be a whole number, got {raw!r}")
+    value = int(raw) if kind is int else float(raw)
+    if not math.isfinite(value) or value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
+        raise UsageError(f"{where}: {key} must be positive, got {raw!r}")
+    return value
+
+
+def spec_field_names() -> list[str]:
+    return [f.name for f in fields(SystemSpec)]

@@ -1,0 +1,153 @@
+"""Row encoding and checks: every received byte and every combined element is verified (nccl-tests' #wrong).
+
+Dispatch rows are uint8 ``[n, row_bytes]``. A row's first 8 bytes hold its header, int32 source rank and int32
+token index (native byte order), when ``row_bytes >= 8``; every byte is a function of (source, token, column),
+so two different rows differ and a receiver regenerates exactly what it must have received (``expected_rows``)
+and counts mismatched bytes.
+
+Combine stands in for expert compute with ``expert_outputs(src, token, key, hidden)``: small integers / 64,
+exact in bfloat16, computed on the expert side from the header DECODED from the received row (so a misrouted
+row also breaks combine) and the row's key (destination rank in token mode, expert id in selection mode).
+The token owner's reference is ``out[t] = sum_r w[r] * g(owner, t, key[r])`` over its send rows r of token t,
+accumulated in float64; an element is wrong unless
+
+    |out - ref| <= COMBINE_RTOL * sum_r |w[r] * g| + COMBINE_ATOL
+
+(NaN is wrong). The relative term covers float32 products and accumulation order (atomics on GPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from commbench.traffic.plan import RankPlan
+
+COMBINE_RTOL = 1e-4
+COMBINE_ATOL = 1e-6
+HEADER_BYTES = 8
+
+_MASK32 = 0xFFFFFFFF
+# Rows of the float64 reference computed at once (bounds memory for large hidden sizes).
+_REFERENCE_CHUNK_ELEMENTS = 1 << 24
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A cheap integer hash of int64 values in [0, 2^32); every intermediate stays below 2^63."""
+    x = x & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def encode_rows(src_rank: int | torch.Tensor, token_index: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """Rows of ``(src_rank, token)``: uint8 [n, row_bytes] on ``token_index``'s device.
+
+    body[c] = (a + b * c) xor p[c] mod 256 with a, b (b odd) from a hash of (src, token) and p a hash of the
+    column, so shifted, swapped or stale rows all mismatch; the header then makes every row unique. Rows
+    shorter than 8 bytes have no header (tiny balanced sizes) and may repeat.
+    """
+    token = token_index.to(torch.int64).reshape(-1)
+    device = token.device
+    src = torch.as_tensor(src_rank, dtype=torch.int64, device=device).expand_as(token)
+    row_hash = _mix32(src * 0x9E3779B1 + token)
+    offset = (row_hash & 0xFF).to(torch.uint8).unsqueeze(1)
+    stride = (((row_hash >> 8) & 0xFF) | 1).to(torch.uint8).unsqueeze(1)
+    column = torch.arange(row_bytes, dtype=torch.int64, device=device)
+    column_low = (column & 0xFF).to(torch.uint8)
+    column_hash = (_mix32(column + 0x5BD1E995) & 0xFF).to(torch.uint8)
+    rows = stride * column_low  # uint8 arithmetic wraps mod 256
+    rows.add_(offset).bitwise_xor_(column_hash)
+    if row_bytes >= HEADER_BYTES:
+        header = torch.stack([src, token], dim=1).to(torch.int32)
+        rows[:, :HEADER_BYTES] = header.view(torch.uint8)
+    return rows
+
+
+def decode_header(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src rank, token index) int64 [n] from rows written by ``encode_rows`` (row_bytes >= 8)."""
+    if rows.shape[1] < HEADER_BYTES:
+        raise ValueError(f"rows of {rows.shape[1]} bytes carry no header (need >= {HEADER_BYTES})")
+    header = rows[:, :HEADER_BYTES].contiguous().view(torch.int32).to(torch.int64)
+    return header[:, 0], header[:, 1]
+
+
+def expected_rows(
+    plans: Sequence[RankPlan], rank: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """What ``rank`` must receive in dispatch: every source's rows to it, sources in rank order."""
+    segments = [plan.send_token_index[plan.segment(rank)] for plan in plans]
+    tokens = torch.cat(segments).to(device) if device is not None else torch.cat(segments)
+    sources = torch.tensor([plan.rank for plan in plans], dtype=torch.int64, device=tokens.device)
+    lengths = torch.tensor([len(segment) for segment in segments], dtype=torch.int64, device=tokens.device)
+    src = torch.repeat_interleave(sources, lengths, output_size=tokens.numel())
+    return encode_rows(src, tokens, plans[0].dispatch_row_bytes)
+
+
+def count_wrong_rows(received: torch.Tensor, expected: torch.Tensor) -> int:
+    """Mismatched bytes; missing or extra rows count all their bytes."""
+    common = min(received.shape[0], expected.shape[0])
+    if received.shape[1:] != expected.shape[1:]:
+        return int(max(received.numel(), expected.numel()))
+    wrong = int((received[:common] != expected[:common]).sum())
+    return wrong + abs(received.shape[0] - expected.shape[0]) * int(expected.shape[1])
+
+
+def received_keys(recv_counts: torch.Tensor, rank: int, send_mode: str) -> torch.Tensor:
+    """Key of every received dispatch row, int64 [sum(recv_counts)] on recv_counts' device.
+
+    Token mode: this rank. Selection mode: the expert id, from the per-expert segments of each source
+    (recv_counts [world, experts_per_rank], rows of one source ordered by expert).
+    """
+    counts = recv_counts.to(torch.int64)
+    total = int(counts.sum())
+    if send_mode != "selection":
+        return torch.full((total,), rank, dtype=torch.int64, device=counts.device)
+    world_size, per_rank = counts.shape
+    local_experts = rank * per_rank + torch.arange(per_rank, dtype=torch.int64, device=counts.device)
+    return torch.repeat_interleave(local_experts.repeat(world_size), counts.reshape(-1), output_size=total)
+
+
+def expert_outputs(
+    src: int | torch.Tensor, token: torch.Tensor, key: int | torch.Tensor, hidden: int
+) -> torch.Tensor:
+    """Stand-in expert output g(src, token, key): bfloat16 [n, hidden] of integers in [-127, 127] / 64."""
+    token = token.to(torch.int64).reshape(-1)
+    device = token.device
+    src_t = torch.as_tensor(src, dtype=torch.int64, device=device)
+    key_t = torch.as_tensor(key, dtype=torch.int64, device=device)
+    # A mixing hash of (src, token, key), not a linear form: with a linear one, tokens 255 apart got identical
+    # rows, so a combine that delivered token t + 255's output to token t would verify clean.
+    mixed = (src_t * 0x9E3779B1 + token * 0x85EBCA77 + key_t * 0xC2B2AE3D) & 0xFFFFFFFF
+    mixed = ((mixed ^ (mixed >> 15)) * 0x2C1B3C6D) & 0xFFFFFFFF
+    mixed = mixed ^ (mixed >> 13)
+    row_part = (mixed % 255).to(torch.int16)
+    column_part = ((torch.arange(hidden, dtype=torch.int64, device=device) * 29) % 255).to(torch.int16)
+    values = row_part.expand_as(token).unsqueeze(1) + column_part  # int16 in [0, 508]
+    values.remainder_(255).sub_(127)
+    return values.to(torch.bfloat16).mul_(1.0 / 64)  # power-of-two scaling keeps values exact
+
+
+def expected_combine(plan: RankPlan, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference, tolerance): float64 [num_tokens, hidden] each, for ``plan.rank``'s combine output."""
+    device = plan.send_token_index.device
+    reference = torch.zeros(plan.num_tokens, hidden, dtype=torch.float64, device=device)
+    magnitude = torch.zeros_like(reference)
+    chunk = max(1, _REFERENCE_CHUNK_ELEMENTS // max(hidden, 1))
+    for start in range(0, plan.num_send_rows, chunk):
+        rows = slice(start, start + chunk)
+        tokens = plan.send_token_index[rows]
+        weighted = expert_outputs(plan.rank, tokens, plan.send_key[rows], hidden).to(torch.float64)
+        weighted.mul_(plan.combine_weight[rows].to(torch.float64).unsqueeze(1))
+        reference.index_add_(0, tokens, weighted)
+        magnitude.index_add_(0, tokens, weighted.abs_())
+    return reference, magnitude.mul_(COMBINE_RTOL).add_(COMBINE_ATOL)
+
+
+def count_wrong_combine(out: torch.Tensor, reference: torch.Tensor, tolerance: torch.Tensor) -> int:
+    """Elements outside the tolerance (NaN and shape mismatches count as wrong)."""
+    if out.shape != reference.shape:
+        return int(max(out.numel(), reference.numel()))
+    within = (out.to(torch.float64) - reference).abs_() <= tolerance
+    return int(within.numel() - within.sum())

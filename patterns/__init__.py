@@ -1,1 +1,0 @@
-"""Model preset YAML files, shipped inside the package as ``commbench.presets``."""

@@ -1,0 +1,234 @@
+import numpy as np
+import pytest
+
+from commbench.errors import UsageError
+from commbench.fabric.model import (
+    CALIBRATION_CASES,
+    FabricParams,
+    balanced_traffic,
+    calibration_markdown,
+    compute_loads,
+    deepep_internode_loads,
+    expert_owner,
+    grouped_pattern,
+    make_fabric,
+    predict_case,
+    predict_phase,
+    simulate,
+)
+from commbench.inputs.specs import parse_spec
+
+B = 1_000_000.0  # bytes per peer
+
+
+def test_balanced_one_domain_closed_form():
+    n = 8
+    fabric = make_fabric("gb300-nvl72", n)
+    p = fabric.params
+    pred = predict_phase(balanced_traffic(n, B), fabric)
+    expected = (
+        p.phase_latency_s + (n - 1) * B / (900e9 * p.nvlink_efficiency) + (n - 1) * p.nvlink_peer_latency_s
+    )
+    assert pred.time_s == pytest.approx(expected, rel=1e-12)
+    assert pred.bottleneck_class == "nvlink" and pred.scaleout_bytes == 0
+    assert pred.self_bytes == n * B and pred.total_bytes == n * n * B
+    # nccl-tests busbw of that run = (n-1)/n x size / time = the per-GPU link rate achieved.
+    size = n * B
+    busbw = size * (n - 1) / n / pred.time_s / 1e9
+    assert busbw < 900 * p.nvlink_efficiency
+
+
+def test_balanced_two_domains_closed_form_without_pxn():
+    n, per_domain = 8, 4
+    fabric = make_fabric("gb300-nvl72", n, ranks_per_domain=per_domain, rail_optimized=False)
+    p = fabric.params
+    pred = predict_phase(balanced_traffic(n, B), fabric)
+    nic = 4 * B / (100e9 * p.scaleout_efficiency) + 4 * p.scaleout_peer_latency_s
+    nvlink = 3 * B / (900e9 * p.nvlink_efficiency) + 3 * p.nvlink_peer_latency_s
+    assert pred.time_s == pytest.approx(p.phase_latency_s + max(nic, nvlink), rel=1e-12)
+    assert pred.bottleneck_class == "scaleout"
+    assert pred.scaleout_bytes == n * 4 * B and pred.nvlink_bytes == n * 3 * B
+
+
+def test_pxn_forwards_over_nvlink_to_the_destination_rail():
+    # 8 ranks, domains of 4, hosts of 2: rank 0 reaches 5 and 7 (rail 1) through rank 1's NIC.
+    fabric = make_fabric("gb300-nvl72", 8, ranks_per_domain=4, ranks_per_host=2)
+    loads = compute_loads(balanced_traffic(8, B), fabric)
+    nvlink_send, nic_send, nic_recv = loads.bytes[:, 0, 0], loads.bytes[:, 1, 0], loads.bytes[:, 1, 1]
+    assert np.allclose(nic_send, 4 * B) and np.allclose(nic_recv, 4 * B)  # balanced: same NIC load
+    assert np.allclose(nvlink_send, 3 * B + 2 * B)  # 3 direct peers + 2 destinations forwarded
+    assert loads.forwarded_bytes == 8 * 2 * B
+    assert loads.messages[0, 1, 0] == 2  # carrier NIC of rank 0 serves destinations 4 and 6
+    assert loads.messages[4, 1, 1] == 2  # rank 4 hears from two source hosts, not four ranks
+
+
+def test_scaleout_bottleneck_names_the_hot_receiver():
+    traffic = balanced_traffic(8, B)
+    traffic[:4, 5] *= 10  # domain 0 floods rank 5 in domain 1
+    fabric = make_fabric("gb200-nvl72", 8, ranks_per_domain=4, rail_optimized=False)
+    pred = predict_phase(traffic, fabric)
+    assert (pred.bottleneck_rank, pred.bottleneck_class, pred.bottleneck_dir) == (5, "scaleout", "recv")
+    assert pred.bottleneck == "rank 5 scale-out NIC recv"
+    assert pred.bottleneck_bytes == pytest.approx(4 * 10 * B)
+    # With PXN every byte for rank 5 (rail 1) leaves through rank 1's NIC: sender and receiver tie, the
+    # lower rank is named.
+    pxn = predict_phase(traffic, make_fabric("gb200-nvl72", 8, ranks_per_domain=4))
+    assert (pxn.bottleneck_rank, pxn.bottleneck_class, pxn.bottleneck_dir) == (1, "scaleout", "send")
+    assert pxn.time_s == pytest.approx(pred.time_s - 3 * fabric.params.scaleout_peer_latency_s, rel=1e-9)
+
+
+def test_oversubscribed_leaf_uplink_limits():
+    n = 8
+    fabric = make_fabric(
+        "gb300-nvl72", n, ranks_per_domain=2, oversubscription=2.0, pod_gpus=4, rail_optimized=False
+    )
+    p = fabric.params
+    pred = predict_phase(balanced_traffic(n, B), fabric)
+    # Each 4-GPU pod sends 4 ranks x 4 remote-pod peers x B through 4 x 100 / 2 GB/s of uplink.
+    uplink = 16 * B / (200e9 * p.scaleout_efficiency)
+    assert pred.bottleneck_class == "uplink" and pred.bottleneck_rank == -1
+    assert pred.time_s == pytest.approx(p.phase_latency_s + uplink, rel=1e-12)
+    assert (
+        make_fabric("gb300-nvl72", n, ranks_per_domain=2, rail_optimized=False).params.oversubscription == 1
+    )
+
+
+def test_grouped_blocks_equal_the_block_diagonal_matrix():
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 10_000_000, size=(3, 8, 8)).astype(np.float64)
+    dense = np.zeros((24, 24))
+    for g in range(3):
+        dense[g * 8 : (g + 1) * 8, g * 8 : (g + 1) * 8] = blocks[g]
+    for kwargs in (
+        {"ranks_per_domain": 6, "ranks_per_host": 2},
+        {"ranks_per_domain": 12, "rail_optimized": False},
+    ):
+        fabric = make_fabric("gb300-nvl72", 24, **kwargs)
+        a, b = predict_phase(blocks, fabric), predict_phase(dense, fabric)
+        assert a.time_s == pytest.approx(b.time_s, rel=1e-12)
+        assert (a.bottleneck_rank, a.bottleneck_class) == (b.bottleneck_rank, b.bottleneck_class)
+        assert np.allclose(a.rank_time_s, b.rank_time_s)
+
+
+def test_no_link_bytes_costs_the_phase_latency():
+    fabric = make_fabric("hgx-h100", 4)
+    pred = predict_phase(np.diag([5.0, 5.0, 5.0, 5.0]), fabric)
+    assert pred.bottleneck_class == "latency" and pred.time_s == fabric.params.phase_latency_s
+
+
+def test_params_from_spec_and_validation(tmp_path):
+    spec = parse_spec(
+        "name: x\ngpus_per_domain: 4\nnvlink_GBps_per_direction: 100\nnic_Gbps_per_direction: 100\n"
+        "nvlink_efficiency: 0.5\nphase_latency_us: 0\n"
+    )
+    params = FabricParams.from_spec(spec)
+    assert params.nvlink_efficiency == 0.5 and params.phase_latency_s == 0
+    pred = predict_phase(balanced_traffic(4, B), make_fabric(spec, 4, nvlink_peer_latency_s=0.0))
+    assert pred.time_s == pytest.approx(3 * B / (100e9 * 0.5))
+    with pytest.raises(UsageError, match="scaleout_efficiency"):
+        make_fabric("gb300-nvl72", 8, scaleout_efficiency=0.0)
+    with pytest.raises(UsageError, match="pod_gpus 6 is not a multiple"):
+        make_fabric("gb300-nvl72", 8, pod_gpus=6, oversubscription=2.0)
+    with pytest.raises(UsageError, match="covers 4 ranks"):
+        predict_phase(balanced_traffic(4, B), make_fabric("gb300-nvl72", 8))
+
+
+def test_expert_owner():
+    assert expert_owner(256, 64).tolist() == (np.arange(256) // 4).tolist()
+    uneven = expert_owner(256, 72)
+    counts = np.bincount(uneven)
+    assert counts.size == 72 and set(counts.tolist()) == {3, 4} and counts.sum() == 256
+    assert np.all(np.diff(uneven) >= 0)  # contiguous
+    with pytest.raises(UsageError, match="between 1 and"):
+        expert_owner(8, 16)
+
+
+def test_exact_grouped_pattern_invariants():
+    pattern = grouped_pattern("qwen3-30b-a3b", 16, tokens_per_rank=64, ep_size=8, exact=True)
+    assert pattern.dispatch_tokens.shape == (2, 8, 8) and pattern.num_groups == 2
+    assert np.all(pattern.dispatch_selections.sum(2) == 64 * 8)  # every token selects top-8, none dropped
+    assert np.all(pattern.dispatch_selections >= pattern.dispatch_tokens)
+    row = pattern.model.combine_bytes_per_token
+    assert np.array_equal(pattern.combine_bytes[1], pattern.dispatch_tokens[1].T * row)
+    one_expert_each = grouped_pattern("mixtral-8x22b", 8, tokens_per_rank=32, exact=True)
+    assert np.array_equal(one_expert_each.dispatch_tokens, one_expert_each.dispatch_selections)
+
+
+def test_sampled_fast_path_matches_the_exact_build():
+    kwargs = {"tokens_per_rank": 512, "seed": 1}
+    fabric = make_fabric("gb300-nvl72", 32, ranks_per_domain=8)
+    exact = grouped_pattern("deepseek-v3", 32, exact=True, **kwargs)
+    fast = grouped_pattern("deepseek-v3", 32, exact=False, **kwargs)
+    assert fast.method == "sampled" and exact.method == "exact"
+    assert fast.dispatch_bytes.sum() == pytest.approx(exact.dispatch_bytes.sum(), rel=0.01)
+    for phase in ("dispatch_bytes", "combine_bytes"):
+        t_fast = predict_phase(getattr(fast, phase), fabric).time_s
+        t_exact = predict_phase(getattr(exact, phase), fabric).time_s
+        assert t_fast == pytest.approx(t_exact, rel=0.03)
+
+
+def test_grouped_pattern_bad_sizes():
+    with pytest.raises(UsageError, match="do not split into EP groups"):
+        grouped_pattern("deepseek-v3", 300, tokens_per_rank=16)
+    with pytest.raises(UsageError, match="between 1 and"):
+        grouped_pattern("qwen3-30b-a3b", 256, tokens_per_rank=16, ep_size=256)
+
+
+def test_simulate_rows_and_efficiency():
+    result = simulate("qwen3-30b-a3b", [16, 8], spec="hgx-h100", tokens_per_rank=256, sample_tokens=1024)
+    assert [r["ranks"] for r in result.rows] == [8, 8, 8, 16, 16, 16]
+    first = [r for r in result.rows if r["ranks"] == 8]
+    assert all(r["scaling_efficiency"] == 1.0 for r in first)
+    dispatch16 = next(r for r in result.rows if r["ranks"] == 16 and r["phase"] == "dispatch")
+    assert "scale-out" in dispatch16["bottleneck"]  # two HGX servers: the NIC limits
+    assert dispatch16["scaling_efficiency"] < 1.0 and dispatch16["scaleout_bytes_per_gpu"] > 0
+    total16 = next(r for r in result.rows if r["ranks"] == 16 and r["phase"] == "total")
+    combine16 = next(r for r in result.rows if r["ranks"] == 16 and r["phase"] == "combine")
+    assert total16["time_us"] == pytest.approx(dispatch16["time_us"] + combine16["time_us"])
+    assert any("spans 2 NVLink domains" in note for note in result.notes)
+
+
+def test_calibration_one_rack_and_cross_rack_nccl_within_10_percent():
+    for case in CALIBRATION_CASES:
+        if case.kind.startswith("nccl") and not case.note:
+            value, _ = predict_case(case, None, tokens=0, seed=0)
+            assert value == pytest.approx(case.published, rel=0.10), case.label
+
+
+def test_calibration_deepep_intranode():
+    for case in CALIBRATION_CASES:
+        if case.label.startswith("DeepEP EP8"):
+            value, prediction = predict_case(case, None, tokens=2048, seed=0)
+            assert value == pytest.approx(case.published, rel=0.12), case.label
+            assert prediction.bottleneck_class == "nvlink"
+
+
+def test_deepep_loads_count_own_node_in_rdma_figure():
+    # 2 nodes x 8 ranks; every token reaches every rank: RDMA counts both nodes, only one crosses a NIC.
+    hits = np.ones((16, 4, 16), dtype=bool)
+    loads, counted = deepep_internode_loads(hits, row_bytes=10)
+    assert np.all(counted == 4 * 2 * 10)
+    assert np.all(loads.bytes[:, 1, 0] == 4 * 1 * 10)  # NIC send: the remote node only
+    assert np.all(loads.bytes[:, 1, 1] == 4 * 10)  # NIC recv from the same-rail rank of the other node
+    # NVLink: each forwarder sends each received token to the 7 other ranks of its node, for its own
+    # tokens and the remote peer's.
+    assert np.all(loads.bytes[:, 0, 0] == 2 * 4 * 7 * 10)
+
+
+def test_calibration_markdown_flags_unexplained_cases():
+    rows = [
+        {
+            "case": "a",
+            "spec": "s",
+            "ranks": 2,
+            "metric": "m",
+            "published": 1.0,
+            "predicted": 2.0,
+            "error_pct": 100.0,
+            "bottleneck": "b",
+            "source": "src",
+            "note": "not explained",
+        },
+    ]
+    text = calibration_markdown(rows)
+    assert "| a (!) |" in text and "+100%" in text and "(!) a: not explained" in text

@@ -1,0 +1,122 @@
+import math
+
+import pytest
+
+from commbench.errors import UsageError
+from commbench.inputs.specs import DEFAULT_SPEC_NAME, SystemSpec, list_specs, load_spec, parse_spec
+
+GOOD = """
+name: test-system
+gpus_per_domain: 8
+gpus_per_host: 4
+nvlink_GBps_per_direction: 450
+nic_Gbps_per_direction: 400
+"""
+
+
+def test_catalogue_ships_the_systems_of_the_issue():
+    assert {"gb300-nvl72", "gb200-nvl72", "hgx-h100", "hgx-h200", "hgx-b200"} <= set(list_specs())
+    assert load_spec().name == DEFAULT_SPEC_NAME == "gb300-nvl72"
+
+
+def test_gb300_figures_and_directions():
+    spec = load_spec("gb300-nvl72")
+    assert spec.gpus_per_domain == 72 and spec.ranks_per_host == 4
+    assert spec.nvlink_GBps_per_direction == 900
+    assert spec.nvlink_GBps_bidirectional == 1800  # 18 links x 100 GB/s
+    assert spec.nvlink_links_per_gpu == 18
+    assert spec.nic_GBps_per_direction == 100  # 800 Gb/s one way
+    assert spec.aggregate_GBps_per_direction(72) == 65000  # 130 TB/s bidirectional, halved
+    assert spec.aggregate_GBps_per_direction(36) == 32500  # scaled to the ranks used
+
+
+@pytest.mark.parametrize(
+    ("name", "per_domain", "nvlink", "nic_GBps"),
+    [
+        ("gb200-nvl72", 72, 900, 50),
+        ("hgx-h100", 8, 450, 50),
+        ("hgx-h200", 8, 450, 50),
+        ("hgx-b200", 8, 900, 50),
+        ("hgx-h800", 8, 200, 50),
+    ],
+)
+def test_other_specs(name, per_domain, nvlink, nic_GBps):
+    spec = load_spec(name)
+    assert (spec.gpus_per_domain, spec.nvlink_GBps_per_direction, spec.nic_GBps_per_direction) == (
+        per_domain,
+        nvlink,
+        nic_GBps,
+    )
+    # The aggregate is the per-GPU bidirectional figure times the GPUs (NVL72's 130 TB/s rounds 129.6 up).
+    per_gpu_total = spec.domain_aggregate_GBps_bidirectional / spec.gpus_per_domain
+    assert per_gpu_total == pytest.approx(2 * spec.nvlink_GBps_per_direction, rel=0.01)
+
+
+def test_every_shipped_value_has_a_source_comment():
+    from importlib import resources
+
+    for name in list_specs():
+        text = resources.files("commbench.inputs").joinpath("catalogue").joinpath(f"{name}.yaml").read_text()
+        assert "Source" in text, name
+
+
+def test_spec_file_path(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(GOOD)
+    spec = load_spec(str(path))
+    assert spec.name == "test-system" and spec.source == str(path)
+    assert spec.aggregate_GBps_per_direction(8) == 8 * 450  # default aggregate: GPUs x per-GPU
+
+
+def test_defaults_for_optional_keys():
+    spec = parse_spec(GOOD)
+    assert spec.rail_optimized and spec.oversubscription == 1.0 and spec.pod_gpus == 0
+    assert spec.nvlink_efficiency is None
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (GOOD.replace("nic_Gbps_per_direction: 400\n", ""), "missing key(s) nic_Gbps_per_direction"),
+        (GOOD.replace("450", "0"), "nvlink_GBps_per_direction must be positive"),
+        (GOOD.replace("450", "-5"), "must be positive"),
+        (GOOD + "nvlink_GBps_bidirectional: 900\n", "unknown key(s) nvlink_GBps_bidirectional"),
+        ("name: [unclosed\n", "bad YAML"),
+        ("- just\n- a list\n", "expected a mapping"),
+        (GOOD.replace("450", "fast"), "must be a number"),
+        (GOOD.replace("gpus_per_host: 4", "gpus_per_host: 2.5"), "whole number"),
+        (GOOD.replace("gpus_per_host: 4", "gpus_per_host: 3"), "not a multiple of gpus_per_host"),
+        (GOOD + "oversubscription: 0.5\n", "oversubscription 0.5 < 1"),
+        (GOOD + "nvlink_efficiency: 1.5\n", "nvlink_efficiency 1.5 > 1"),
+        (GOOD + "rail_optimized: maybe\n", "must be true or false"),
+        (GOOD + "nvlink_GBps_per_direction: .nan\n", "must be positive"),
+    ],
+)
+def test_bad_spec_files_give_one_line_errors(text, expected):
+    with pytest.raises(UsageError) as info:
+        parse_spec(text, source="bad.yaml")
+    message = str(info.value)
+    assert expected in message
+    assert "bad.yaml" in message and "\n" not in message
+
+
+def test_unknown_name_and_missing_file():
+    with pytest.raises(UsageError, match="unknown spec 'nvl1000'"):
+        load_spec("nvl1000")
+    with pytest.raises(UsageError, match="does not exist"):
+        load_spec("/nonexistent/spec.yaml")
+
+
+def test_to_bandwidth_spec():
+    pytest.importorskip("commbench.report")
+    bandwidth = load_spec("gb200-nvl72").to_bandwidth_spec()
+    assert bandwidth.per_gpu_GBps_per_direction == 900
+    assert bandwidth.gpus_per_domain == 72
+    assert bandwidth.aggregate_GBps_bidirectional == 130000
+    assert bandwidth.name == "gb200-nvl72"
+
+
+def test_load_spec_passes_a_spec_through():
+    spec = SystemSpec(name="x", gpus_per_domain=2, nvlink_GBps_per_direction=1.0, nic_Gbps_per_direction=8.0)
+    assert load_spec(spec) is spec
+    assert math.isclose(spec.nic_GBps_per_direction, 1.0)
