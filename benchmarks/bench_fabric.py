@@ -15,7 +15,8 @@ import time
 import numpy as np
 import torch
 
-from commbench.fabric.model import grouped_pattern, make_fabric, predict_phase
+from commbench.fabric.ep_groups import grouped_pattern
+from commbench.fabric.model import make_fabric, predict_phase
 
 SPEED_SIZES = (1024, 8192)
 TARGET_S = {1024: 1.0, 8192: 10.0}

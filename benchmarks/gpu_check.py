@@ -32,7 +32,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -52,12 +51,6 @@ def _version(dist_name: str) -> str | None:
         return importlib.metadata.version(dist_name)
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Check:
@@ -196,16 +189,16 @@ def cli_run(out: Path, work: Path, name: str, args: list[str], timeout_s: float)
 
 
 def _one_rank_comm(timeout_s: float) -> Any:
+    from commbench.run.dist import free_port, init_comm
+
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
         RANK="0",
         WORLD_SIZE="1",
         LOCAL_RANK="0",
         LOCAL_WORLD_SIZE="1",
     )
-    from commbench.run.dist import init_comm
-
     return init_comm("nccl", timeout_s)
 
 

@@ -1,4 +1,10 @@
-"""Error types. The CLI turns each into a one-line message and an exit code, never a traceback."""
+"""Error types. The CLI turns each into a one-line message and an exit code, never a traceback.
+
+Exit codes: 0 pass, 1 fail (a bug: unexpected error), 2 bad input or could not run, 3 wrong data, 4 a rank
+died or timed out, 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM, 129 SIGHUP).
+"""
+
+import signal
 
 
 class CommbenchError(Exception):
@@ -23,3 +29,27 @@ class CommError(CommbenchError):
     """A collective timed out or a peer rank died."""
 
     exit_code = 4
+
+
+def signal_name(signum: int) -> str:
+    """ "SIGTERM" for 15; "signal 64" for a number without a name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class StoppedError(CommbenchError):
+    """The run was stopped by a signal (to the launcher or to this rank): exit code 128 + the signal number.
+
+    ``signum`` is the signal; the message says who was stopped and what was kept.
+    """
+
+    def __init__(self, signum: int, message: str | None = None) -> None:
+        self.signum = int(signum)
+        self.exit_code = 128 + self.signum
+        super().__init__(message or f"stopped by {signal_name(self.signum)}")
+
+    def __reduce__(self) -> tuple[type, tuple[int, str]]:
+        # Pickled from a spawned rank to the launcher: rebuild with the signal, not just the message.
+        return (type(self), (self.signum, str(self)))

@@ -1,19 +1,13 @@
-"""The backend interface: the few functions a backend plugs into the shared harness.
+"""Implementation helpers shared by the backends: buffers reused across calls, the one combine reduction.
 
-The harness owns timing, verification and result rows; a backend only moves data. Each call below is one
-phase, run many times inside the timed region, so it must not allocate large buffers or loop over tokens
-in Python.
+The interface a backend implements (``Backend``) belongs to the run stage: ``commbench.run.interface``.
 """
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-
-from commbench.traffic.plan import RankPlan
 
 
 def grown_buffer(
@@ -52,58 +46,3 @@ class CombineReduction:
         combined = self._combined[:num_tokens].zero_()
         combined.index_add_(0, token_index, weighted)
         return combined
-
-
-class Backend(abc.ABC):
-    name: ClassVar[str] = ""
-    # True where timings are not measured on real hardware (mock, sim, shmem-emu): reports label them.
-    emulated: ClassVar[bool] = False
-
-    def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
-        self.comm = comm  # commbench.run.dist.Comm
-        self.options = dict(options or {})
-
-    @property
-    def label(self) -> str:
-        """What the report's ``backend`` column shows (e.g. "nccl", "gloo", "shmem-emu (CPU emulator)")."""
-        return self.name
-
-    def knobs(self) -> dict[str, Any]:
-        """Performance options that land in every result row (e.g. num_blocks, chunk_bytes)."""
-        return {}
-
-    def setup(self, plan: RankPlan) -> None:  # noqa: B027 - optional hook
-        """Allocate buffers for ``plan`` (untimed)."""
-
-    def setup_peers(self, plans: Sequence[RankPlan]) -> None:  # noqa: B027 - optional hook
-        """Every rank's plan (``plans[src]``), given before ``setup`` (untimed). Only backends that model the
-        traffic instead of moving it need it; the harness builds these plans anyway to verify."""
-
-    def modelled_seconds(self) -> float | None:
-        """Emulated timing: the modelled duration of the last exchange_counts + dispatch (or combine) calls.
-        None (the default) = the harness measures the phase with its timer."""
-        return None
-
-    @abc.abstractmethod
-    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
-        """All-to-all of the [world, slots] count matrix; returns recv_counts [world, slots], row = source."""
-
-    @abc.abstractmethod
-    def dispatch(self, tokens: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
-        """Send ``tokens[plan.send_token_index]`` (grouped by destination) and return the received rows,
-        uint8 [sum(recv_counts), plan.dispatch_row_bytes], in source-rank order, each source's rows in the
-        order that source sent them."""
-
-    @abc.abstractmethod
-    def combine(self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
-        """Send ``expert_out`` (one row per received dispatch row, same order) back to the token owners and
-        reduce into token order: out[t] = sum over send rows r of token t of plan.combine_weight[r] * row(r).
-        Returns float32 [plan.num_tokens, hidden]."""
-
-    def synchronize(self) -> None:
-        """Wait for outstanding device work (the harness calls it before reading a host clock)."""
-        if torch.cuda.is_available() and self.comm.device.type == "cuda":
-            torch.cuda.synchronize(self.comm.device)
-
-    def close(self) -> None:  # noqa: B027 - optional hook
-        """Release buffers and communicators."""

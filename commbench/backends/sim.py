@@ -3,7 +3,8 @@
 ``SimBackend`` answers each phase with what every rank must receive (from every rank's plan, given through
 ``Backend.setup_peers``) and reports, through ``modelled_seconds``, the fabric model's time for the phase's
 traffic on a system spec: the mocked backend for harness tests at sizes no machine here has (the harness's
-thread ranks can stand for a 72-GPU rack), and a what-if tool. Rows are labelled emulated.
+thread ranks can stand for a 72-GPU rack), and a what-if tool. Rows are labelled emulated and are not
+verified (nothing moved: #wrong n/a).
 
 What it needs from the harness: ``setup_peers(plans)`` with every rank's RankPlan before ``setup`` (the full
 [src][dst] count matrix is built from them; nothing else is exchanged). Every rank computes the same model;
@@ -21,67 +22,34 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from commbench.backends.base import Backend
+from commbench.backends.options import (
+    MAX_LATENCY_US,
+    MAX_RANKS,
+    BackendOption,
+    DeclaredOptions,
+)
 from commbench.errors import UsageError
 from commbench.fabric.model import Fabric, PhasePrediction, make_fabric, predict_phase
+from commbench.run.interface import Backend
 from commbench.traffic.payload import expected_rows, expert_outputs
 from commbench.traffic.plan import RankPlan, row_matrix
 
-_FLOAT_OPTIONS = ("nvlink_efficiency", "scaleout_efficiency", "oversubscription")
+# Options given in microseconds; FabricParams takes seconds ("phase_latency_us" -> "phase_latency_s").
 _US_OPTIONS = ("phase_latency_us", "nvlink_peer_latency_us", "scaleout_peer_latency_us")
-_INT_OPTIONS = ("ranks_per_domain", "ranks_per_host", "pod_gpus")
-_BOOL_OPTIONS = ("rail_optimized", "pxn")
-OPTIONS = ("spec", *_INT_OPTIONS, *_FLOAT_OPTIONS, *_US_OPTIONS, *_BOOL_OPTIONS)
+_LAYOUT_OPTIONS = ("spec", "ranks_per_domain", "ranks_per_host")
+# Above this a leaf group's uplinks carry almost nothing: far beyond any built fabric (8:1 is already rare).
+MAX_OVERSUBSCRIPTION = 1024.0
 
 # Predictions shared by the thread ranks of one process: key = (fabric, phase bytes digest).
 _CACHE: OrderedDict[tuple[Any, ...], PhasePrediction] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 _CACHE_SIZE = 16
-
-
-def _as_bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise UsageError(f"sim option {key}={value!r} must be true or false")
-
-
-def _as_number(key: str, value: Any, kind: type) -> Any:
-    try:
-        number = kind(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"sim option {key}={value!r} must be a number") from None
-    if number < 0:
-        raise UsageError(f"sim option {key}={value!r} must not be negative")
-    return number
-
-
-def parse_options(options: dict[str, Any]) -> dict[str, Any]:
-    """Validated sim options (strings from the command line become numbers and flags)."""
-    unknown = sorted(set(options) - set(OPTIONS))
-    if unknown:
-        raise UsageError(f"unknown sim option(s) {', '.join(unknown)}; accepted: {', '.join(OPTIONS)}")
-    parsed: dict[str, Any] = {}
-    for key, value in options.items():
-        if key == "spec":
-            parsed[key] = str(value)
-        elif key in _INT_OPTIONS:
-            parsed[key] = _as_number(key, value, int)
-        elif key in _BOOL_OPTIONS:
-            parsed[key] = _as_bool(key, value)
-        else:
-            parsed[key] = _as_number(key, value, float)
-    return parsed
 
 
 def _predict_cached(traffic: np.ndarray, fabric: Fabric) -> PhasePrediction:
@@ -106,31 +74,116 @@ def _predict_cached(traffic: np.ndarray, fabric: Fabric) -> PhasePrediction:
     return prediction
 
 
-class SimBackend(Backend):
+class SimBackend(DeclaredOptions, Backend):
     name = "sim"
     emulated = True
+    moves_data = False  # hands back the expected rows: nothing to verify
+
+    # The layout and the model knobs of commbench.fabric.model.FabricParams; None = the spec's value.
+    OPTIONS: ClassVar[tuple[BackendOption, ...]] = (
+        BackendOption("spec", str, None, "system spec: catalogue name or YAML path (default gb300-nvl72)"),
+        BackendOption(
+            "ranks_per_domain",
+            int,
+            None,
+            "ranks per NVLink domain (default: the spec's)",
+            minimum=0,
+            maximum=MAX_RANKS,
+        ),
+        BackendOption(
+            "ranks_per_host", int, None, "ranks per host (default: the spec's)", minimum=0, maximum=MAX_RANKS
+        ),
+        BackendOption(
+            "pod_gpus",
+            int,
+            None,
+            "GPUs under one leaf group (0 = no uplink limit)",
+            minimum=0,
+            maximum=MAX_RANKS,
+        ),
+        BackendOption(
+            "nvlink_efficiency",
+            float,
+            None,
+            "fraction of the NVLink spec reached, in (0, 1]",
+            minimum=0,
+            exclusive_minimum=True,
+            maximum=1,
+        ),
+        BackendOption(
+            "scaleout_efficiency",
+            float,
+            None,
+            "fraction of the NIC line rate reached, in (0, 1]",
+            minimum=0,
+            exclusive_minimum=True,
+            maximum=1,
+        ),
+        BackendOption(
+            "oversubscription",
+            float,
+            None,
+            "scale-out oversubscription above a pod (1 = non-blocking)",
+            minimum=1,
+            maximum=MAX_OVERSUBSCRIPTION,
+        ),
+        BackendOption(
+            "phase_latency_us",
+            float,
+            None,
+            "latency per phase, microseconds",
+            minimum=0,
+            maximum=MAX_LATENCY_US,
+        ),
+        BackendOption(
+            "nvlink_peer_latency_us",
+            float,
+            None,
+            "latency per NVLink peer, microseconds",
+            minimum=0,
+            maximum=MAX_LATENCY_US,
+        ),
+        BackendOption(
+            "scaleout_peer_latency_us",
+            float,
+            None,
+            "latency per scale-out peer, us",
+            minimum=0,
+            maximum=MAX_LATENCY_US,
+        ),
+        BackendOption("rail_optimized", bool, None, "rail-optimized scale-out (else a fat tree)"),
+        BackendOption("pxn", bool, None, "forward scale-out bytes over NVLink to the destination's rail"),
+    )
 
     @classmethod
-    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        """Parsed ``options`` (UsageError on a bad key or value); the CLI calls it before launching."""
-        return parse_options(options)
+    def check_options(cls, options: Mapping[str, Any], world_size: int | None = None) -> dict[str, Any]:
+        """The typed options; with ``world_size`` also the fabric they describe (spec, model knobs, layout),
+        so a bad spec or a layout that does not fit is refused in the parent, before any launch."""
+        checked = super().check_options(options)
+        if world_size is not None:
+            cls.fabric_for(checked, world_size)
+        return checked
+
+    @staticmethod
+    def fabric_for(options: Mapping[str, Any], world_size: int) -> Fabric:
+        """The fabric of checked ``options`` for ``world_size`` ranks; UsageError when it cannot be built."""
+        given = {k: v for k, v in options.items() if v is not None and k not in _LAYOUT_OPTIONS}
+        overrides = {k: v for k, v in given.items() if k not in _US_OPTIONS}
+        overrides.update(
+            {k.removesuffix("_us") + "_s": v * 1e-6 for k, v in given.items() if k in _US_OPTIONS}
+        )
+        return make_fabric(
+            options.get("spec"),
+            int(world_size),
+            ranks_per_domain=options.get("ranks_per_domain"),
+            ranks_per_host=options.get("ranks_per_host"),
+            **overrides,
+        )
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
-        self.options = parse_options(self.options)
-        overrides = {
-            k: v for k, v in self.options.items() if k in _FLOAT_OPTIONS + _BOOL_OPTIONS + ("pod_gpus",)
-        }
-        overrides.update(
-            {k[: -len("_us")] + "_s": v * 1e-6 for k, v in self.options.items() if k in _US_OPTIONS}
-        )
-        self.fabric: Fabric = make_fabric(
-            self.options.get("spec"),
-            int(comm.world_size),
-            ranks_per_domain=self.options.get("ranks_per_domain"),
-            ranks_per_host=self.options.get("ranks_per_host"),
-            **overrides,
-        )
+        self.options = self.check_options(self.options)
+        self.fabric: Fabric = self.fabric_for(self.options, int(comm.world_size))
         self._peers: list[RankPlan] | None = None
         self._rows = np.zeros((0, 0), dtype=np.int64)
         self._recv_counts = torch.zeros(0, 1, dtype=torch.int64)

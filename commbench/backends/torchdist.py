@@ -3,7 +3,7 @@
 Dispatch packs the token rows of the plan (index_select into a preallocated send buffer) and exchanges them;
 combine sends the expert outputs back with the reverse splits and reduces them into token order with
 ``index_add_`` in float32. Buffers grow on the first (warm-up) call and are reused after, so timed
-iterations do not allocate.
+iterations do not allocate; the harness poisons both receive buffers before each timed iteration.
 """
 
 from __future__ import annotations
@@ -13,29 +13,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from commbench.backends.base import Backend, CombineReduction, grown_buffer
-from commbench.errors import UsageError
+from commbench.backends.base import CombineReduction, grown_buffer
+from commbench.backends.options import DeclaredOptions, checked_options
+from commbench.run.interface import Backend
+from commbench.traffic.payload import poison_
 from commbench.traffic.plan import RankPlan
 
 
-class TorchDistBackend(Backend):
+class TorchDistBackend(DeclaredOptions, Backend):
     name = "torchdist"  # replaced by the process group's backend ("nccl" or "gloo") per instance
-
-    @classmethod
-    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        """nccl and gloo take no options (UsageError otherwise); the CLI calls it before launching."""
-        if options:
-            raise UsageError(
-                f"backends nccl and gloo take no options, got {', '.join(sorted(options))}; remove them"
-            )
-        return {}
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
-        if self.options:
-            raise UsageError(
-                f"backend {comm.backend} takes no options, got {', '.join(sorted(self.options))}; remove them"
-            )
+        # nccl and gloo have no knobs: any option is a UsageError naming the process group.
+        self.options = checked_options(comm.backend, self.OPTIONS, self.options)
         self.name = comm.backend  # type: ignore[misc] - the column shows which process group ran
         self._plan: RankPlan | None = None
         self._send_splits: list[int] = []
@@ -66,6 +57,12 @@ class TorchDistBackend(Backend):
             self._cached_recv_splits = recv_counts.sum(dim=1).tolist()
             self._cached_counts = recv_counts
         return self._cached_recv_splits
+
+    def poison_receive_buffers(self) -> None:
+        # What all_to_all_single writes into: dispatch rows, and the combine rows the reduction reads.
+        for buffer in (self._recv_buffer, self._combine_buffer):
+            if buffer is not None:
+                poison_(buffer)
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
         # A fresh output each call: a caller may keep the previous counts.

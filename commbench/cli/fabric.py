@@ -1,4 +1,4 @@
-"""``commbench topo`` and ``commbench simulate`` (registered into the main CLI group by commbench.cli)."""
+"""``commbench topo`` and ``commbench simulate`` (added to the command group by commbench.cli.main)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,28 @@ from typing import Any
 
 import click
 
+from commbench.cli import options as opt
 from commbench.errors import UsageError
+from commbench.report.tables import format_table
+
+# --fabric choices as fabric-model knobs (FabricParams); no choice keeps the spec's.
+FABRIC_KINDS: dict[str, dict[str, bool]] = {
+    "rail": {"rail_optimized": True, "pxn": True},
+    "rail-no-pxn": {"rail_optimized": True, "pxn": False},
+    "fat-tree": {"rail_optimized": False, "pxn": False},
+}
+SIMULATE_HEADERS = (
+    "ranks",
+    "EP",
+    "groups",
+    "domains",
+    "phase",
+    "time(us)",
+    "GB/s/GPU",
+    "Mtok/s/GPU",
+    "eff",
+    "bottleneck",
+)
 
 
 def _parse_ranks(text: str) -> list[int]:
@@ -21,11 +42,23 @@ def _parse_ranks(text: str) -> list[int]:
     return sizes
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) for i, h in enumerate(headers)]
-    lines = ["  ".join(str(h).rjust(w) for h, w in zip(headers, widths, strict=True))]
-    lines += ["  ".join(str(c).rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
-    return "\n".join(lines)
+def _count_option(
+    name: str,
+    help_text: str,
+    default: int | None = None,
+    minimum: int = 1,
+    dest: str | None = None,
+    maximum: int = opt.MAX_RANKS,
+) -> opt.Decorator:
+    """An integer option in [minimum, maximum]; its default is shown when it has one."""
+    return click.option(
+        name,
+        *([dest] if dest else []),
+        type=click.IntRange(min=minimum, max=maximum),
+        default=default,
+        show_default=default is not None,
+        help=help_text,
+    )
 
 
 @click.command()
@@ -85,9 +118,7 @@ def topo(as_json: bool) -> None:
 
 
 @click.command()
-@click.option(
-    "--model", "model_name", default="deepseek-v3", show_default=True, help="Model preset or YAML path."
-)
+@click.option("--model", default="deepseek-v3", show_default=True, help="Model preset or YAML path.")
 @click.option(
     "--ranks",
     "ranks_text",
@@ -96,30 +127,11 @@ def topo(as_json: bool) -> None:
     help="Comma-separated world sizes (GPUs).",
 )
 @click.option("--spec", default="gb300-nvl72", show_default=True, help="System spec name or YAML path.")
-@click.option(
-    "--tokens", type=click.IntRange(min=1), default=4096, show_default=True, help="Tokens per rank."
-)
-@click.option(
-    "--skew",
-    default="uniform",
-    show_default=True,
-    help="uniform | zipf:S | hot:N:F | rank-imbalance:R | trace:PATH.",
-)
-@click.option(
-    "--ep-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Ranks per EP group [default: min(ranks, experts)].",
-)
-@click.option(
-    "--ranks-per-domain",
-    type=click.IntRange(min=1),
-    default=None,
-    help="NVLink domain size [default: the spec's].",
-)
-@click.option(
-    "--ranks-per-host", type=click.IntRange(min=1), default=None, help="Ranks per host [default: the spec's]."
-)
+@_count_option("--tokens", "Tokens per rank.", default=4096, dest="tokens_per_rank", maximum=opt.MAX_TOKENS)
+@click.option("--skew", default="uniform", show_default=True, help=opt.SKEW_HELP)
+@_count_option("--ep-size", "Ranks per EP group [default: min(ranks, experts)].")
+@_count_option("--ranks-per-domain", "NVLink domain size [default: the spec's].")
+@_count_option("--ranks-per-host", "Ranks per host [default: the spec's].")
 @click.option(
     "--send-mode",
     type=click.Choice(["token", "selection"]),
@@ -130,46 +142,32 @@ def topo(as_json: bool) -> None:
 @click.option(
     "--fabric",
     "fabric_kind",
-    type=click.Choice(["rail", "rail-no-pxn", "fat-tree"]),
+    type=click.Choice(list(FABRIC_KINDS)),
     default=None,
     help="Scale-out fabric [default: the spec's; rail = rail-optimized with PXN forwarding over NVLink].",
 )
 @click.option(
-    "--oversubscription", type=float, default=None, help="Leaf-to-spine oversubscription (1 = non-blocking)."
-)
-@click.option(
-    "--pod-gpus",
-    type=click.IntRange(min=0),
+    "--oversubscription",
+    type=opt.finite_float(1.0),
     default=None,
-    help="GPUs under one leaf group (with --oversubscription).",
+    help="Leaf-to-spine oversubscription, >= 1 (1 = non-blocking).",
 )
-@click.option(
-    "--sample-tokens",
-    type=click.IntRange(min=1),
-    default=4096,
-    show_default=True,
-    help="Routed tokens behind the sampled fast path.",
+@_count_option("--pod-gpus", "GPUs under one leaf group (with --oversubscription).", minimum=0)
+@_count_option(
+    "--sample-tokens", "Routed tokens behind the sampled fast path.", default=4096, maximum=opt.MAX_TOKENS
 )
 @click.option("--exact", "exact", flag_value=True, default=None, help="Route every token (slow at scale).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@opt.SEED
 @click.option("--json", "as_json", is_flag=True, help="Print rows and notes as JSON.")
+@click.option(
+    "--calibration",
+    is_flag=True,
+    help="Instead, print the model against published nccl-tests and DeepEP figures (the table of "
+    "docs/fabric-model.md; Markdown, or rows with --json). --tokens and --seed set the DeepEP cases' "
+    "routing; the other options do not apply.",
+)
 def simulate(
-    model_name: str,
-    ranks_text: str,
-    spec: str,
-    tokens: int,
-    skew: str,
-    ep_size: int | None,
-    ranks_per_domain: int | None,
-    ranks_per_host: int | None,
-    send_mode: str,
-    fabric_kind: str | None,
-    oversubscription: float | None,
-    pod_gpus: int | None,
-    sample_tokens: int,
-    exact: bool | None,
-    seed: int,
-    as_json: bool,
+    ranks_text: str, fabric_kind: str | None, as_json: bool, calibration: bool, **inputs: Any
 ) -> None:
     """Predict dispatch/combine time per world size with the fabric model (no GPUs needed).
 
@@ -177,42 +175,25 @@ def simulate(
     data-parallel, and all groups communicate at once, sharing the scale-out fabric. Per-GPU GB/s = bytes
     a GPU moves (self included) / phase time; efficiency = per-GPU tokens/s relative to the smallest size.
     """
-    from commbench.fabric.model import simulate as run_simulation
+    # ``inputs`` are named as commbench.fabric.ep_groups.simulate's parameters.
+    if calibration:
+        _echo_calibration(inputs["tokens_per_rank"], inputs["seed"], as_json)
+        return
+    from commbench.cli.resources import check_simulate_fits
+    from commbench.fabric.ep_groups import simulate as run_simulation
+    from commbench.inputs.models import load_model
 
-    overrides: dict[str, Any] = {"oversubscription": oversubscription, "pod_gpus": pod_gpus}
-    if fabric_kind is not None:
-        overrides["rail_optimized"] = fabric_kind != "fat-tree"
-        overrides["pxn"] = fabric_kind == "rail"
-    result = run_simulation(
-        model_name,
-        _parse_ranks(ranks_text),
-        spec=spec,
-        tokens_per_rank=tokens,
-        skew=skew,
-        ranks_per_domain=ranks_per_domain,
-        ranks_per_host=ranks_per_host,
-        ep_size=ep_size,
-        send_mode=send_mode,
-        seed=seed,
-        sample_tokens=sample_tokens,
-        exact=exact,
-        **overrides,
+    ranks = _parse_ranks(ranks_text)
+    model = load_model(inputs.pop("model"))
+    # Before any layout or routing is built: 10^8 ranks would fill the host's memory first.
+    check_simulate_fits(
+        model, ranks, inputs["ep_size"], inputs["tokens_per_rank"], inputs["sample_tokens"], inputs["exact"]
     )
+    fabric = FABRIC_KINDS.get(fabric_kind or "", {})
+    result = run_simulation(model=model, ranks=ranks, **inputs, **fabric)
     if as_json:
         click.echo(json.dumps({"rows": result.rows, "notes": result.notes}, indent=2, default=float))
         return
-    headers = [
-        "ranks",
-        "EP",
-        "groups",
-        "domains",
-        "phase",
-        "time(us)",
-        "GB/s/GPU",
-        "Mtok/s/GPU",
-        "eff",
-        "bottleneck",
-    ]
     body = [
         [
             str(r["ranks"]),
@@ -228,10 +209,38 @@ def simulate(
         ]
         for r in result.rows
     ]
-    click.echo(_table(headers, body))
+    click.echo(format_table(SIMULATE_HEADERS, body))
     for note in result.notes:
         click.echo(f"note: {note}")
     click.echo(
         "note: predictions of the fabric model (docs/fabric-model.md), not measurements; GB = 1e9 bytes, "
         "bandwidths per direction"
     )
+
+
+def _calibration_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The calibration table of docs/fabric-model.md, the cases it flags and its sources, as Markdown."""
+    headers = ["case", "spec", "ranks", "metric", "published", "model", "error", "model's bottleneck"]
+    body = [
+        [
+            r["case"] + (" (!)" if r["note"] else ""),
+            r["spec"],
+            str(r["ranks"]),
+            r["metric"],
+            f"{r['published']:.1f}",
+            f"{r['predicted']:.1f}",
+            f"{r['error_pct']:+.0f}%",
+            r["bottleneck"],
+        ]
+        for r in rows
+    ]
+    notes = [f"- (!) {r['case']}: {r['note']}" for r in rows if r["note"]]
+    sources = "; ".join(sorted({r["source"] for r in rows}))
+    return "\n".join([format_table(headers, body, "markdown"), "", *notes, "", f"Sources: {sources}."])
+
+
+def _echo_calibration(tokens: int, seed: int, as_json: bool) -> None:
+    from commbench.fabric.calibration import calibration_rows
+
+    rows = calibration_rows(tokens=tokens, seed=seed)
+    click.echo(json.dumps(rows, indent=2) if as_json else _calibration_markdown(rows))

@@ -6,30 +6,25 @@ records ``None`` or an error string instead of raising.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import os
 import platform
 import shlex
 import socket
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import commbench
+from commbench.hardware.probes import nccl_version, probe_env, probe_gpus
 
 # Environment variables that change communication behaviour; recorded so two reports can be compared.
-ENV_VAR_PREFIXES: tuple[str, ...] = ("NCCL_", "NVSHMEM_", "TORCH_NCCL_")
-ENV_VAR_NAMES: tuple[str, ...] = ("CUDA_VISIBLE_DEVICES",)
+REPORT_ENV_PREFIXES: tuple[str, ...] = ("NCCL_", "NVSHMEM_", "TORCH_NCCL_", "CUDA_VISIBLE_DEVICES")
 
 
-def communication_env_vars(environ: dict[str, str] | None = None) -> dict[str, str]:
+def communication_env_vars(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """NCCL_*, NVSHMEM_*, TORCH_NCCL_* and CUDA_VISIBLE_DEVICES, sorted by name."""
-    environ = dict(os.environ if environ is None else environ)
-    return {
-        name: value
-        for name, value in sorted(environ.items())
-        if name.startswith(ENV_VAR_PREFIXES) or name in ENV_VAR_NAMES
-    }
+    return probe_env(environ, REPORT_ENV_PREFIXES)
 
 
 def _torch_versions() -> dict[str, Any]:
@@ -42,11 +37,7 @@ def _torch_versions() -> dict[str, Any]:
     versions["torch"] = torch.__version__
     versions["cuda"] = torch.version.cuda  # None on CPU builds
     if torch.version.cuda is not None:
-        try:
-            nccl = torch.cuda.nccl.version()
-            versions["nccl"] = ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else str(nccl)
-        except Exception:  # CUDA build without NCCL, or no driver
-            versions["nccl"] = None
+        versions["nccl"] = nccl_version()
     return versions
 
 
@@ -75,41 +66,26 @@ def _cuda_devices() -> list[dict[str, Any]]:
     return devices
 
 
-def _nvml_info() -> dict[str, Any] | None:
-    """Driver version and per-GPU NVLink state from NVML, only if pynvml imports and initializes."""
-    try:
-        import pynvml
-    except Exception:
+def nvml_summary() -> dict[str, Any] | None:
+    """Driver version and each GPU's active NVLink links, from the NVML probe; None when NVML cannot start
+    (no driver: a CPU machine, not an error for a report)."""
+    found = probe_gpus()
+    if not found["nvml"]:
         return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # no driver (CPU machine): not an error for a report
-        return None
-    info: dict[str, Any] = {}
-    try:
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        info["driver_version"] = driver.decode() if isinstance(driver, bytes) else str(driver)
-        gpus = []
-        for index in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-            name = pynvml.nvmlDeviceGetName(handle)
-            gpu: dict[str, Any] = {"index": index, "name": name.decode() if isinstance(name, bytes) else name}
-            active_links = 0
-            for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
-                try:
-                    if pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED:
-                        active_links += 1
-                except Exception:  # link index not present on this GPU
-                    break
-            gpu["nvlink_active_links"] = active_links
-            gpus.append(gpu)
-        info["gpus"] = gpus
-    except Exception as exc:
-        info["error"] = f"{type(exc).__name__}: {exc}"
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
-    return info
+    summary: dict[str, Any] = {}
+    if "driver_version" in found:
+        summary["driver_version"] = found["driver_version"]
+    summary["gpus"] = [
+        {
+            "index": gpu["index"],
+            "name": gpu.get("name"),
+            "nvlink_active_links": gpu.get("nvlink_links_active", 0),
+        }
+        for gpu in found["gpus"]
+    ]
+    if "error" in found:
+        summary["error"] = found["error"]
+    return summary
 
 
 def capture_environment() -> dict[str, Any]:
@@ -122,7 +98,7 @@ def capture_environment() -> dict[str, Any]:
     return {
         "versions": versions,
         "devices": _cuda_devices(),
-        "nvml": _nvml_info(),
+        "nvml": nvml_summary(),
         "hostname": socket.gethostname(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),

@@ -11,6 +11,7 @@ import glob
 import importlib
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -109,15 +110,19 @@ def _error_text(exc: BaseException) -> str:
 
 
 def probe_gpus() -> dict[str, Any]:
-    """GPUs seen by NVML with NVLink state and fabric info; ``error`` says why nothing could be seen."""
+    """GPUs seen by NVML with NVLink state and fabric info: the one NVML probe (topology and report).
+
+    ``nvml`` says whether NVML started at all; ``error`` says why nothing, or not everything, could be seen.
+    """
     try:
         nvml = _nvml()
     except Exception as exc:
         return {
+            "nvml": False,
             "gpus": [],
             "error": f"NVML unavailable ({_error_text(exc)}); no NVIDIA driver on this machine?",
         }
-    out: dict[str, Any] = {"gpus": []}
+    out: dict[str, Any] = {"nvml": True, "gpus": []}
     try:
         out["driver_version"] = _text(nvml.nvmlSystemGetDriverVersion())
         try:
@@ -214,6 +219,17 @@ def _module_version(module: str, attribute: str = "__version__") -> str | None:
     return None if value is None else str(value)
 
 
+def nccl_version() -> str | None:
+    """The NCCL version torch carries ("2.27.3"); None without torch, on CPU builds or when unreadable."""
+    try:
+        import torch
+
+        version = torch.cuda.nccl.version()
+    except Exception:  # CPU build, CUDA build without NCCL, or no driver
+        return None
+    return ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
+
+
 def probe_libraries() -> dict[str, Any]:
     """torch/CUDA/NCCL/NVSHMEM versions visible from Python, each None when absent."""
     out: dict[str, Any] = {"torch": _module_version("torch")}
@@ -222,11 +238,7 @@ def probe_libraries() -> dict[str, Any]:
 
         out["torch_cuda"] = torch.version.cuda
         out["cuda_devices"] = torch.cuda.device_count()
-        try:
-            nccl = torch.cuda.nccl.version() if torch.cuda.is_available() else None
-        except Exception:
-            nccl = None
-        out["nccl"] = ".".join(str(part) for part in nccl) if isinstance(nccl, tuple) else nccl
+        out["nccl"] = nccl_version() if torch.cuda.is_available() else None
         try:
             from torch.distributed import _symmetric_memory as symm
 
@@ -251,10 +263,13 @@ def probe_libraries() -> dict[str, Any]:
     return out
 
 
-def probe_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment variables that change NCCL/NVSHMEM/UCX behaviour (and rank launch)."""
+def probe_env(
+    environ: Mapping[str, str] | None = None, prefixes: tuple[str, ...] = ENV_PREFIXES
+) -> dict[str, str]:
+    """Environment variables whose names start with ``prefixes`` (by default those that change
+    NCCL/NVSHMEM/UCX behaviour and rank launch), sorted by name."""
     env = os.environ if environ is None else environ
-    return {k: env[k] for k in sorted(env) if k.startswith(ENV_PREFIXES)}
+    return {k: env[k] for k in sorted(env) if k.startswith(prefixes)}
 
 
 def discover_local() -> dict[str, Any]:

@@ -17,14 +17,23 @@ import numpy as np
 from commbench.errors import UsageError
 from commbench.hardware.probes import RankPlace
 
+# How a run's layout was found (``Layout.method``), as its description says it.
+FOUND_BY = {
+    "override": "override (--ranks-per-domain / --ranks-per-host)",
+    "nvml-clique": "NVML GPU fabric clique",
+    "host": "host (no NVLink fabric clique reported: one domain per host)",
+}
+
 
 @dataclass(frozen=True)
 class Layout:
-    """Hosts and NVLink domains of ``world_size`` ranks (contiguous placement for overrides)."""
+    """Hosts and NVLink domains of ``world_size`` ranks (contiguous placement for overrides), and the places
+    they were found from (every rank's ``RankPlace`` in a run; empty for what-ifs built without ranks)."""
 
     domain_of_rank: np.ndarray  # int64 [world]
     host_of_rank: np.ndarray  # int64 [world]
     source: str  # "override", "discovered" or "default" (all ranks in one host and domain)
+    places: tuple[RankPlace, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -34,15 +43,45 @@ class Layout:
     def num_domains(self) -> int:
         return int(self.domain_of_rank.max()) + 1 if self.domain_of_rank.size else 0
 
+    @property
+    def num_hosts(self) -> int:
+        return int(self.host_of_rank.max()) + 1 if self.host_of_rank.size else 0
+
+    @property
+    def domain_sizes(self) -> np.ndarray:
+        """Ranks in each NVLink domain, int64 [num_domains]."""
+        return np.bincount(self.domain_of_rank)
+
+    @property
+    def method(self) -> str:
+        """How the domains were found (a key of ``FOUND_BY``): "override", "nvml-clique" when a rank reported
+        an NVLink fabric clique, else "host" (one domain per host, also the default layout)."""
+        if self.source == "override":
+            return "override"
+        return "nvml-clique" if any(p.fabric_cluster_uuid for p in self.places) else "host"
+
     def describe(self) -> str:
-        sizes = np.bincount(self.domain_of_rank)
-        hosts = int(self.host_of_rank.max()) + 1 if self.host_of_rank.size else 0
-        values, counts = np.unique(sizes, return_counts=True)
+        """One line: domain sizes, hosts, and how they were found (a run's gathered layout) or the source."""
+        values, counts = np.unique(self.domain_sizes, return_counts=True)
         order = np.argsort(-counts, kind="stable")
         size_text = " + ".join(f"{int(counts[i])} x {int(values[i])}" for i in order)
-        return (
-            f"{self.world_size} ranks in NVLink domains of {size_text} ranks, {hosts} host(s) ({self.source})"
-        )
+        text = f"{self.world_size} ranks in NVLink domains of {size_text} ranks, {self.num_hosts} host(s)"
+        if not self.places:  # not gathered from running ranks (a what-if): say where it came from
+            return f"{text} ({self.source})"
+        return f"{text}; found by {FOUND_BY[self.method]}"
+
+    def to_meta(self) -> dict[str, Any]:
+        """What a report's meta.json records about the layout."""
+        return {
+            "method": self.method,
+            "description": self.describe(),
+            "num_domains": self.num_domains,
+            "ranks_per_domain": sorted({int(v) for v in self.domain_sizes}),
+            "num_hosts": self.num_hosts,
+            "domain_of_rank": self.domain_of_rank.tolist(),
+            "host_of_rank": self.host_of_rank.tolist(),
+            "places": [p.to_dict() for p in self.places],
+        }
 
 
 def _contiguous(world_size: int, per_group: int, what: str) -> np.ndarray:
@@ -59,24 +98,6 @@ def _dense_ids(keys: Sequence[str]) -> np.ndarray:
 
 def _places(discovered: Sequence[RankPlace | dict[str, Any]]) -> list[RankPlace]:
     return [p if isinstance(p, RankPlace) else RankPlace(**p) for p in discovered]
-
-
-def domain_of_rank(
-    world_size: int,
-    ranks_per_domain: int | None = None,
-    discovered: Sequence[RankPlace | dict[str, Any]] | None = None,
-) -> np.ndarray:
-    """NVLink domain id of every rank: override, else discovered places, else one domain for all ranks."""
-    return build_layout(world_size, ranks_per_domain=ranks_per_domain, discovered=discovered).domain_of_rank
-
-
-def host_of_rank(
-    world_size: int,
-    ranks_per_host: int | None = None,
-    discovered: Sequence[RankPlace | dict[str, Any]] | None = None,
-) -> np.ndarray:
-    """Host id of every rank: override, else discovered host names, else one host for all ranks."""
-    return build_layout(world_size, ranks_per_host=ranks_per_host, discovered=discovered).host_of_rank
 
 
 def build_layout(
@@ -109,14 +130,10 @@ def build_layout(
             domains = np.zeros(world_size, dtype=np.int64)
         per_host = ranks_per_host if ranks_per_host is not None else ranks_per_domain
         hosts = _contiguous(world_size, int(per_host), "--ranks-per-host")
-        return Layout(domains, hosts, "override")
+        return Layout(domains, hosts, "override", tuple(places or ()))
     if places is not None:
         hosts = _dense_ids([p.host for p in places])
         domains = _dense_ids([p.domain_key for p in places])
-        return Layout(domains, hosts, "discovered")
+        return Layout(domains, hosts, "discovered", tuple(places))
     zeros = np.zeros(world_size, dtype=np.int64)
     return Layout(zeros, zeros.copy(), "default")
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Discovery (NVML, sysfs, library versions, environment). Each probe returns data or a "why not" string.

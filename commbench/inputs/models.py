@@ -10,18 +10,34 @@ import dataclasses
 import importlib.resources
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from commbench.errors import UsageError
+from commbench.inputs.userfiles import kind_of, load_yaml_mapping, read_user_text, shorten, show_path
 
 DTYPES = ("fp8", "bf16")
 COMBINE_DTYPES = ("bf16",)
 _REQUIRED_KEYS = ("hidden", "num_experts", "topk")
 _POSITIVE_KEYS = ("hidden", "num_experts", "topk", "n_group", "topk_group", "scale_block")
+# Upper bounds of every count. Real MoE layers sit far below them (hidden <= ~25K, routed experts <= 512,
+# top-k <= 32 today), so each leaves room for models to come, while a value above is a typo (hidden 1e20,
+# 10^12 experts) that would otherwise fail only inside the ranks, or fill the host's memory first: one row of
+# hidden 2^20 is 2 MiB, and routing keeps tables of num_experts + 1 entries per rank.
+_EXAMPLES = {"hidden": 7168, "num_experts": 256, "topk": 8, "num_shared_experts": 1, "n_group": 8}
+_EXAMPLES.update(topk_group=4, scale_block=128)
+LIMITS = {
+    "hidden": 1 << 20,
+    "num_experts": 1 << 16,
+    "topk": 1 << 10,  # rows per token in selection mode: 1024 x the tokens at most
+    "num_shared_experts": 1 << 10,  # computed locally: only a sanity bound
+    "n_group": 1 << 16,  # <= num_experts anyway (it must divide it)
+    "topk_group": 1 << 16,  # <= n_group anyway
+    "scale_block": 1 << 20,  # one fp32 scale per block: a block above hidden means one scale per row
+}
+_MAX_NAME_CHARS = 100  # a name labels tables and report rows: one short line
 
 
 @dataclass(frozen=True)
@@ -39,13 +55,23 @@ class ModelConfig:
     source: str = ""  # where the numbers come from
 
     def __post_init__(self) -> None:
-        where = f"model {self.name!r}"
+        where = f"model {shorten(self.name)}"
         for key in (*_POSITIVE_KEYS, "num_shared_experts"):
             value = getattr(self, key)
             least = 0 if key == "num_shared_experts" else 1
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
                 kind = "an integer >= 0" if least == 0 else "a positive integer"
-                raise UsageError(f"{where}: {key} must be {kind}, got {value!r}")
+                got = (
+                    f"{kind_of(value)} {shorten(value)}" if isinstance(value, bool | str) else shorten(value)
+                )
+                raise UsageError(
+                    f"{where}: {key} must be {kind}, got {got}; write e.g. {key}: {_EXAMPLES[key]}"
+                )
+            if value > LIMITS[key]:
+                raise UsageError(
+                    f"{where}: {key} {shorten(value)} is above the limit {LIMITS[key]} (far beyond any real "
+                    "model); check the value"
+                )
             object.__setattr__(self, key, int(value))  # numpy integers become plain ints
         if self.topk > self.num_experts:
             raise UsageError(f"{where}: topk {self.topk} exceeds num_experts {self.num_experts}")
@@ -62,10 +88,11 @@ class ModelConfig:
             )
         if self.dispatch_dtype not in DTYPES:
             raise UsageError(
-                f"{where}: dispatch_dtype must be one of {', '.join(DTYPES)}, got {self.dispatch_dtype!r}"
+                f"{where}: dispatch_dtype must be one of {', '.join(DTYPES)}, "
+                f"got {shorten(self.dispatch_dtype)}"
             )
         if self.combine_dtype not in COMBINE_DTYPES:
-            raise UsageError(f"{where}: combine_dtype must be bf16, got {self.combine_dtype!r}")
+            raise UsageError(f"{where}: combine_dtype must be bf16, got {shorten(self.combine_dtype)}")
 
     @property
     def experts_per_group(self) -> int:
@@ -99,60 +126,54 @@ def list_models() -> list[str]:
 
 
 def _looks_like_path(text: str) -> bool:
-    return text.endswith((".yaml", ".yml")) or "/" in text or "\\" in text or Path(text).is_file()
+    # os.path.isfile, unlike Path.is_file, says False for a name too long to be a path.
+    return text.endswith((".yaml", ".yml")) or "/" in text or "\\" in text or os.path.isfile(text)
 
 
 def load_model(name_or_path: str) -> ModelConfig:
     """Preset name (e.g. ``deepseek-v3``) or path to a YAML file; raises UsageError on bad input."""
     if _looks_like_path(name_or_path):
-        path = Path(name_or_path)
-        if not path.is_file():
+        path = Path(os.path.expanduser(name_or_path))
+        if not os.path.lexists(path):
             raise UsageError(
-                f"model file {name_or_path} not found; pass a preset name or an existing YAML file"
+                f"model file {show_path(name_or_path)} not found; pass a preset name "
+                f"({', '.join(list_models())}) or an existing YAML file"
             )
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
-            raise UsageError(
-                f"model file {name_or_path} unreadable ({reason}); pass a YAML text file"
-            ) from None
-        return _parse_model(text, origin=str(path), default_name=path.stem)
+        text = read_user_text(path, "model file")  # bounded, UTF-8, a regular file
+        return _parse_model(text, origin=f"model file {show_path(name_or_path)}", default_name=path.stem)
     presets = _preset_files()
     entry = presets.get(name_or_path)
     if entry is None:
         raise UsageError(
-            f"unknown model {name_or_path!r}; presets: {', '.join(sorted(presets))} (or a YAML file path)"
+            f"unknown model {shorten(name_or_path)}; presets: {', '.join(sorted(presets))} "
+            "(or a YAML file path)"
         )
-    return _parse_model(entry.read_text(), origin=f"preset {name_or_path}", default_name=name_or_path)
+    text = entry.read_text(encoding="utf-8")
+    return _parse_model(text, origin=f"preset {name_or_path}", default_name=name_or_path)
 
 
 def _parse_model(text: str, origin: str, default_name: str) -> ModelConfig:
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        mark = getattr(exc, "problem_mark", None)
-        line = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"{origin}: invalid YAML{line}: {problem}") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{origin}: expected a mapping of model keys (hidden, num_experts, topk, ...)")
-    known = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = sorted(str(key) for key in data if key not in known)
-    if unknown:
-        raise UsageError(
-            f"{origin}: unknown key(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}"
-        )
+    known = [f.name for f in dataclasses.fields(ModelConfig)]
+    data = load_yaml_mapping(text, origin, known)  # bounded YAML, flat mapping of known keys to scalars
     missing = [key for key in _REQUIRED_KEYS if key not in data]
     if missing:
-        raise UsageError(f"{origin}: missing key(s) {', '.join(missing)}")
+        raise UsageError(
+            f"{origin}: missing key(s) {', '.join(missing)}; e.g. hidden: 7168, num_experts: 256, topk: 8"
+        )
     if "n_group" in data and data["n_group"] != 1 and "topk_group" not in data:
         # The default topk_group = 1 would silently route every token to a single group.
         raise UsageError(f"{origin}: n_group is set but topk_group is missing; add topk_group (groups kept)")
     data.setdefault("name", default_name)
     for key in ("name", "source", "dispatch_dtype", "combine_dtype"):
         if key in data and not isinstance(data[key], str):
-            raise UsageError(f"{origin}: {key} must be a string, got {data[key]!r}")
+            raise UsageError(
+                f"{origin}: {key} must be a string, got {kind_of(data[key])} {shorten(data[key])}; quote it"
+            )
+    name = data["name"]
+    if not name.strip() or len(name) > _MAX_NAME_CHARS or not name.isprintable():
+        raise UsageError(
+            f"{origin}: name {shorten(name)} must be 1 to {_MAX_NAME_CHARS} printable characters on one line"
+        )
     try:
         return ModelConfig(**data)
     except UsageError as exc:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from importlib import resources
 from typing import Any
 
-import yaml
-
 from commbench.errors import UsageError
+from commbench.inputs.userfiles import load_yaml_mapping, read_user_text, shorten
 
 DEFAULT_SPEC_NAME = "gb300-nvl72"
 
@@ -113,12 +113,6 @@ class SystemSpec:
             "direction"
         )
 
-    def to_bandwidth_spec(self) -> Any:
-        """The report's ``BandwidthSpec`` (NVLink-domain and NIC figures) for this system."""
-        from commbench.report import BandwidthSpec  # lazy: the report pulls in pandas/matplotlib
-
-        return BandwidthSpec.from_system(self)
-
 
 def list_specs() -> list[str]:
     """Names of the shipped specs."""
@@ -136,12 +130,11 @@ def load_spec(name_or_path: str | SystemSpec | None = None) -> SystemSpec:
         return name_or_path
     text = (name_or_path or DEFAULT_SPEC_NAME).strip()
     if _looks_like_path(text):
-        if not os.path.isfile(text):
+        if not os.path.lexists(text):
             raise UsageError(
                 f"spec file {text!r} does not exist; pass a shipped name ({', '.join(list_specs())})"
             )
-        with open(text, encoding="utf-8") as handle:
-            return parse_spec(handle.read(), source=text)
+        return parse_spec(read_user_text(text, "spec file"), source=text)  # bounded, UTF-8, a regular file
     if text not in list_specs():
         raise UsageError(
             f"unknown spec {text!r}; choose one of {', '.join(list_specs())} or pass a YAML file path"
@@ -158,18 +151,22 @@ def load_spec(name_or_path: str | SystemSpec | None = None) -> SystemSpec:
 def parse_spec(text: str, source: str = "<string>") -> SystemSpec:
     """Validate YAML text into a SystemSpec; every problem is a one-line UsageError naming ``source``."""
     where = f"spec {source}"
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        line = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or "invalid YAML"
-        raise UsageError(f"{where}: bad YAML{line} ({problem}); fix the file's syntax") from None
-    if not isinstance(data, dict):
-        raise UsageError(f"{where}: expected a mapping of keys to values, got {type(data).__name__}")
-    unknown = sorted(str(k) for k in data if k not in _KEYS)
-    if unknown:
-        raise UsageError(f"{where}: unknown key(s) {', '.join(unknown)}; accepted keys: {', '.join(_KEYS)}")
+    # Bounded YAML (size, aliases, tags, int64), a flat mapping of known keys to single values; see userfiles.
+    data = load_yaml_mapping(text, where, _KEYS)
+    return _validated(data, where, source)
+
+
+def spec_from_dict(saved: Mapping[str, Any], where: str) -> SystemSpec:
+    """A spec saved with ``dataclasses.asdict`` (meta.json's ``system_spec``) as a SystemSpec again, checked
+    like a file (problems name ``where``). Keys this version does not know (``description_line``, keys of
+    newer versions) are ignored; fields saved at their default stay at it (a default such as
+    ``gpus_per_host: 0`` is not a valid file value)."""
+    defaults = {f.name: f.default for f in fields(SystemSpec)}
+    data = {key: value for key, value in saved.items() if key in _KEYS and value != defaults[key]}
+    return _validated(data, f"spec in {where}", str(saved.get("source") or where))
+
+
+def _validated(data: Mapping[str, Any], where: str, source: str) -> SystemSpec:
     missing = [k for k, (_, required) in _KEYS.items() if required and data.get(k) is None]
     if missing:
         raise UsageError(
@@ -199,21 +196,22 @@ def parse_spec(text: str, source: str = "<string>") -> SystemSpec:
 
 def _checked(where: str, key: str, raw: Any) -> Any:
     kind = _KEYS[key][0]
+    shown = shorten(raw)  # a user's value is quoted in bounded length, whatever it is
     if kind is str:
-        return str(raw)
+        if not isinstance(raw, str) or len(raw) > 512:
+            raise UsageError(f"{where}: {key} must be text of at most 512 characters, got {shown}")
+        return raw
     if kind is bool:
         if not isinstance(raw, bool):
-            raise UsageError(f"{where}: {key} must be true or false, got {raw!r}")
+            raise UsageError(f"{where}: {key} must be true or false, got {shown}")
         return raw
     if isinstance(raw, bool) or not isinstance(raw, (int, float)):
-        raise UsageError(f"{where}: {key} must be a number, got {raw!r}")
+        raise UsageError(f"{where}: {key} must be a number, got {shown}")
+    if isinstance(raw, int) and abs(raw) >= 1 << 63:  # float(raw) would overflow or lose the value
+        raise UsageError(f"{where}: {key} is out of range, got {shown}")
     if kind is int and (not float(raw).is_integer()):
-        raise UsageError(f"{where}: {key} must be a whole number, got {raw!r}")
+        raise UsageError(f"{where}: {key} must be a whole number, got {shown}")
     value = int(raw) if kind is int else float(raw)
     if not math.isfinite(value) or value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
-        raise UsageError(f"{where}: {key} must be positive, got {raw!r}")
+        raise UsageError(f"{where}: {key} must be positive, got {shown}")
     return value
-
-
-def spec_field_names() -> list[str]:
-    return [f.name for f in fields(SystemSpec)]

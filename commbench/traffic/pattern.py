@@ -1,8 +1,10 @@
 """Pattern: the traffic of one MoE layer (or one balanced all-to-all) as [src][dst] matrices.
 
-``build_pattern`` routes every rank in this process. A distributed run can instead route its own rank,
-take ``rank_traffic`` (its matrix rows) and ``rank_expert_load``, all-gather them and call
-``pattern_from_traffic``: the result is identical.
+Every count starts in ``rank_counts``: what one rank's routed tokens send to every rank (tokens and
+selections) and how many selections each expert gets. ``pattern_from_counts`` turns every rank's counts into
+a ``Pattern``; ``build_pattern`` (``commbench pattern``) routes every rank in this process for it, and a run
+builds its Pattern from the same counts of the routings it executes, so the pattern printed is the pattern
+run. A rank's plan (``traffic.plan``) takes its send counts from the same ``RankCounts``.
 
 ``Pattern.stats`` keys (all plain Python numbers, lists or None):
     tokens_per_rank, topk, mask_ratio, capacity (per source rank and expert, or None)
@@ -19,26 +21,27 @@ Balanced patterns carry size_bytes (used), requested_size_bytes and bytes_per_pe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from commbench.errors import UsageError
-from commbench.inputs.models import ModelConfig
-from commbench.traffic.routing import Routing, RoutingConfig, expert_popularity, expert_rank, route_rank
+from commbench.plain import plain
+from commbench.traffic.routing import Routing, RoutingConfig, expert_popularity, experts_per_rank, route_rank
 
 SEND_MODES = ("token", "selection")
 
 
 @dataclass
 class Pattern:
+    """The traffic of one MoE layer (or one balanced all-to-all): [src][dst] matrices, expert load, stats."""
+
     name: str  # model name or "balanced"
     world_size: int
-    send_mode: (
-        str  # "token" (de-duplicated per destination rank) or "selection" (one row per (token, expert))
-    )
+    # "token" (a row per (token, destination rank)), "selection" (a row per (token, expert)) or "balanced"
+    send_mode: str
     dispatch_tokens: np.ndarray  # int64 [n, n] tokens src->dst, counted once per destination rank
     dispatch_selections: np.ndarray  # int64 [n, n] (token, expert) selections src->dst
     dispatch_bytes: np.ndarray  # int64 [n, n] bytes src sends dst in dispatch (per send_mode)
@@ -48,70 +51,90 @@ class Pattern:
     routing_cfg: RoutingConfig | None = None  # None for balanced patterns
     skew_text: str = ""
 
-
-def rank_traffic(routing: Routing, model: ModelConfig, world_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens_row, selections_row), int64 [world_size] each: what ``routing.rank`` sends every rank.
-
-    A token counts once per destination rank holding at least one of its kept experts."""
-    destination = expert_rank(routing.topk_ids, model.num_experts, world_size)
-    kept = destination >= 0
-    selections = torch.bincount(destination[kept], minlength=world_size)
-    ordered = destination.sort(dim=1).values
-    first = torch.ones_like(kept)
-    first[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
-    tokens = torch.bincount(ordered[first & (ordered >= 0)], minlength=world_size)
-    return tokens.numpy().astype(np.int64), selections.numpy().astype(np.int64)
+    @property
+    def dispatch_rows(self) -> np.ndarray:
+        """int64 [n, n]: rows src sends dst in dispatch (selections in selection mode, else tokens)."""
+        return self.dispatch_selections if self.send_mode == "selection" else self.dispatch_tokens
 
 
-def rank_expert_load(routing: Routing, num_experts: int) -> np.ndarray:
-    """Kept selections per expert from one rank's tokens, int64 [num_experts]."""
-    ids = routing.topk_ids[routing.topk_ids >= 0]
-    return torch.bincount(ids, minlength=num_experts).numpy().astype(np.int64)
+def destination_hits(topk_ids: np.ndarray, owner: np.ndarray, num_ranks: int) -> np.ndarray:
+    """int64 [tokens, num_ranks]: kept selections of each token on each rank, ``owner[e]`` being the rank
+    of expert ``e`` (any placement); dropped ids (-1) count nowhere. Token t reaches rank r if hits[t, r]."""
+    ids = np.asarray(topk_ids, dtype=np.int64)
+    tokens = ids.shape[0]
+    kept = ids >= 0
+    destination = np.asarray(owner, dtype=np.int64)[np.where(kept, ids, 0)]
+    key = (np.arange(tokens, dtype=np.int64)[:, None] * num_ranks + destination)[kept]
+    return np.bincount(key, minlength=tokens * num_ranks).reshape(tokens, num_ranks)
 
 
-def _check_send_mode(send_mode: str) -> None:
+@dataclass(frozen=True)
+class RankCounts:
+    """What one rank's routed tokens send under contiguous expert placement (int64 arrays)."""
+
+    tokens: np.ndarray  # [world]: tokens to each rank, once per rank holding at least one of its experts
+    selections: np.ndarray  # [world]: kept (token, expert) selections to each rank
+    expert_load: np.ndarray  # [num_experts]: kept selections per expert (rank r's experts are contiguous)
+
+    def send_counts(self, send_mode: str) -> np.ndarray:
+        """Rows to each destination per slot, [world, slots], as a plan lays them out: token mode one slot
+        (tokens), selection mode one slot per local expert (the expert load, destination by destination)."""
+        check_send_mode(send_mode)
+        if send_mode == "token":
+            return self.tokens.reshape(-1, 1)
+        return self.expert_load.reshape(self.tokens.size, -1)
+
+
+def rank_counts(routing: Routing, num_experts: int, world_size: int) -> RankCounts:
+    """``routing``'s rows to every rank and selections per expert (contiguous placement)."""
+    owner = np.arange(num_experts, dtype=np.int64) // experts_per_rank(num_experts, world_size)
+    ids = routing.topk_ids.cpu().numpy()
+    hits = destination_hits(ids, owner, world_size)
+    return RankCounts(
+        tokens=(hits > 0).sum(axis=0, dtype=np.int64),
+        selections=hits.sum(axis=0, dtype=np.int64),
+        expert_load=np.bincount(ids[ids >= 0], minlength=num_experts).astype(np.int64),
+    )
+
+
+def check_send_mode(send_mode: str) -> None:
+    """UsageError unless ``send_mode`` is one of SEND_MODES."""
     if send_mode not in SEND_MODES:
         raise UsageError(f"send mode {send_mode!r} not known; use {' or '.join(SEND_MODES)}")
 
 
 def build_pattern(cfg: RoutingConfig, send_mode: str = "token") -> Pattern:
     """Route every rank of ``cfg`` (one rank at a time) and assemble the traffic matrices."""
-    _check_send_mode(send_mode)
-    n = cfg.world_size
-    tokens = np.zeros((n, n), dtype=np.int64)
-    selections = np.zeros((n, n), dtype=np.int64)
-    expert_load = np.zeros(cfg.model.num_experts, dtype=np.int64)
-    for rank in range(n):
-        routing = route_rank(cfg, rank)
-        tokens[rank], selections[rank] = rank_traffic(routing, cfg.model, n)
-        expert_load += rank_expert_load(routing, cfg.model.num_experts)
-    return pattern_from_traffic(cfg, send_mode, tokens, selections, expert_load)
+    check_send_mode(send_mode)
+    counts = [
+        rank_counts(route_rank(cfg, rank), cfg.model.num_experts, cfg.world_size)
+        for rank in range(cfg.world_size)
+    ]
+    return pattern_from_counts(cfg, send_mode, counts)
 
 
-def pattern_from_traffic(
-    cfg: RoutingConfig,
-    send_mode: str,
-    dispatch_tokens: np.ndarray,
-    dispatch_selections: np.ndarray,
-    expert_load: np.ndarray,
-) -> Pattern:
-    """Pattern from gathered rows: byte matrices per send mode, combine as the transpose, statistics."""
-    _check_send_mode(send_mode)
+def pattern_from_counts(cfg: RoutingConfig, send_mode: str, counts: Sequence[RankCounts]) -> Pattern:
+    """The Pattern of every rank's counts (``counts[src]``): byte matrices per send mode, combine as the
+    transpose, statistics."""
+    check_send_mode(send_mode)
+    if len(counts) != cfg.world_size:
+        raise ValueError(f"got counts of {len(counts)} ranks for world size {cfg.world_size}")
     model = cfg.model
-    dispatch_tokens = np.asarray(dispatch_tokens, dtype=np.int64)
-    dispatch_selections = np.asarray(dispatch_selections, dtype=np.int64)
-    rows = dispatch_tokens if send_mode == "token" else dispatch_selections
+    tokens = np.stack([c.tokens for c in counts]).astype(np.int64)
+    selections = np.stack([c.selections for c in counts]).astype(np.int64)
+    expert_load = np.sum([c.expert_load for c in counts], axis=0, dtype=np.int64)
+    rows = tokens if send_mode == "token" else selections
     return Pattern(
         name=model.name,
         world_size=cfg.world_size,
         send_mode=send_mode,
-        dispatch_tokens=dispatch_tokens,
-        dispatch_selections=dispatch_selections,
+        dispatch_tokens=tokens,
+        dispatch_selections=selections,
         dispatch_bytes=rows * model.dispatch_bytes_per_token,
         # The expert side answers every row it received, back to the row's owner.
         combine_bytes=np.ascontiguousarray(rows.T) * model.combine_bytes_per_token,
-        expert_load=np.asarray(expert_load, dtype=np.int64),
-        stats=imbalance_stats(cfg, dispatch_tokens, dispatch_selections, expert_load),
+        expert_load=expert_load,
+        stats=imbalance_stats(cfg, tokens, selections, expert_load),
         routing_cfg=cfg,
         skew_text=cfg.skew.text,
     )
@@ -198,19 +221,6 @@ def balanced_pattern(world_size: int, size_bytes: int) -> Pattern:
     )
 
 
-def _plain(value: Any) -> Any:
-    """JSON-ready copy: numpy scalars and arrays become Python numbers and lists."""
-    if isinstance(value, dict):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, np.generic):
-        return value.item()
-    return value
-
-
 def pattern_to_json(pattern: Pattern) -> dict[str, Any]:
     """The pattern as a JSON-ready dict: [src][dst] matrices as lists of ints, stats, run parameters."""
     cfg = pattern.routing_cfg
@@ -228,5 +238,5 @@ def pattern_to_json(pattern: Pattern) -> dict[str, Any]:
         "dispatch_bytes": pattern.dispatch_bytes.tolist(),
         "combine_bytes": pattern.combine_bytes.tolist(),
         "expert_load": pattern.expert_load.tolist(),
-        "stats": _plain(pattern.stats),
+        "stats": plain(pattern.stats),
     }

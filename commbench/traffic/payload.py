@@ -14,6 +14,13 @@ accumulated in float64; an element is wrong unless
     |out - ref| <= COMBINE_RTOL * sum_r |w[r] * g| + COMBINE_ATOL
 
 (NaN is wrong). The relative term covers float32 products and accumulation order (atomics on GPU).
+
+Receive buffers are poisoned (``poison_``: every byte ``POISON_BYTE`` = 0xFF) before each checked
+iteration, so an iteration that delivers nothing leaves a sentinel no valid row can hold: the header reads
+(src -1, token -1), and every bfloat16 or float32 element is a NaN. ``RowCheck`` verifies dispatch rows in
+full (mismatched bytes) or by checksum (``row_checksums``: the first 8 bytes exactly plus a wrapping int64
+sum of the row's 8-byte words; a row whose checksum differs counts as all its bytes); ``CombineCheck``
+compares combine output element by element with the tolerance above, with reused scratch buffers.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from commbench.traffic.plan import RankPlan
 COMBINE_RTOL = 1e-4
 COMBINE_ATOL = 1e-6
 HEADER_BYTES = 8
+# Fills receive buffers before a checked iteration: header (-1, -1), no real (src, token); NaN as bf16/fp32.
+POISON_BYTE = 0xFF
+_WORD_BYTES = 8
 
 _MASK32 = 0xFFFFFFFF
 # Rows of the float64 reference computed at once (bounds memory for large hidden sizes).
@@ -90,8 +100,111 @@ def count_wrong_rows(received: torch.Tensor, expected: torch.Tensor) -> int:
     common = min(received.shape[0], expected.shape[0])
     if received.shape[1:] != expected.shape[1:]:
         return int(max(received.numel(), expected.numel()))
-    wrong = int((received[:common] != expected[:common]).sum())
+    # count_nonzero: summing a bool tensor is ~10x slower on CPU.
+    wrong = int(torch.count_nonzero(received[:common] != expected[:common]))
     return wrong + abs(received.shape[0] - expected.shape[0]) * int(expected.shape[1])
+
+
+def poison_(buffer: torch.Tensor) -> torch.Tensor:
+    """Fill ``buffer`` (any dtype, contiguous) with ``POISON_BYTE`` in every byte, in place; returns it."""
+    if buffer.numel():
+        buffer.view(torch.uint8).fill_(POISON_BYTE)
+    return buffer
+
+
+def _words(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` (uint8 [n, row_bytes]) as int64 words [n, ceil(row_bytes / 8)], zero-padded at the end of
+    each row; a view when the rows are contiguous 8-byte multiples, else a padded copy."""
+    n, row_bytes = int(rows.shape[0]), int(rows.shape[1])
+    if row_bytes % _WORD_BYTES == 0 and rows.is_contiguous():
+        try:
+            return rows.view(torch.int64)
+        except RuntimeError:  # a view at an offset that is not 8-byte aligned: copy below
+            pass
+    width = -(-row_bytes // _WORD_BYTES) * _WORD_BYTES
+    padded = torch.zeros((n, width), dtype=torch.uint8, device=rows.device)
+    padded[:, :row_bytes] = rows
+    return padded.view(torch.int64)
+
+
+def row_checksums(rows: torch.Tensor) -> torch.Tensor:
+    """int64 [n, 2] per row: its first 8 bytes as one int64 (the header) and the wrapping sum of its 8-byte
+    words. Any single changed byte changes the sum; a poisoned or shifted row changes the header."""
+    words = _words(rows)
+    if not words.shape[1]:
+        return torch.zeros((words.shape[0], 2), dtype=torch.int64, device=rows.device)
+    return torch.stack([words[:, 0], words.sum(dim=1)], dim=1)
+
+
+class RowCheck:
+    """What one rank must receive (``expected``, uint8 [n, row_bytes]), checked in full or by checksum."""
+
+    def __init__(self, expected: torch.Tensor) -> None:
+        self.expected = expected
+        self._checksums: torch.Tensor | None = None  # computed on the first checksum check
+
+    def full(self, received: torch.Tensor) -> int:
+        """Mismatched bytes (``count_wrong_rows``)."""
+        return count_wrong_rows(received, self.expected)
+
+    def checksum(self, received: torch.Tensor) -> int:
+        """Bytes of the rows whose checksum differs (all of a row's bytes: a checksum cannot say which),
+        plus all the bytes of missing or extra rows."""
+        expected = self.expected
+        if received.shape[1:] != expected.shape[1:]:
+            return int(max(received.numel(), expected.numel()))
+        if self._checksums is None:
+            self._checksums = row_checksums(expected)
+        common = min(received.shape[0], expected.shape[0])
+        differ = row_checksums(received[:common]) != self._checksums[:common]
+        rows = int(torch.count_nonzero(differ.any(dim=1))) + abs(received.shape[0] - expected.shape[0])
+        return rows * int(expected.shape[1])
+
+
+class CombineCheck:
+    """One rank's combine reference and tolerance (``expected_combine``); ``full`` counts the elements
+    outside the tolerance. It runs after every timed iteration, so it first compares in float32 against a
+    tolerance shrunk by more than float32 rounding can add (accepting an element there implies accepting it
+    in float64), then rechecks in float64 only the elements that failed that; scratch buffers are reused."""
+
+    def __init__(self, reference: torch.Tensor, tolerance: torch.Tensor) -> None:
+        self.reference = reference
+        self.tolerance = tolerance
+        self._reference32: torch.Tensor | None = None
+        self._tolerance32: torch.Tensor | None = None
+        self._difference: torch.Tensor | None = None
+        self._within: torch.Tensor | None = None
+
+    def _prepare(self) -> None:
+        reference, tolerance = self.reference, self.tolerance
+        # |ref32 - ref| <= 2^-24 |ref| and each float32 operation adds at most 2^-24 relative: taking
+        # 2^-22 |ref| off the tolerance (>= 1e-4 |ref|) and a factor 1 - 2^-20 covers them all.
+        shrunk = (tolerance - reference.abs() * 2.0**-22).mul_(1.0 - 2.0**-20).clamp_(min=0.0)
+        self._reference32 = reference.to(torch.float32)
+        self._tolerance32 = shrunk.to(torch.float32)
+        self._difference = torch.empty_like(self._reference32)
+        self._within = torch.empty(reference.shape, dtype=torch.bool, device=reference.device)
+
+    def full(self, out: torch.Tensor) -> int:
+        """Elements outside the tolerance (NaN and shape mismatches count as wrong)."""
+        reference = self.reference
+        if out.shape != reference.shape:
+            return int(max(out.numel(), reference.numel()))
+        if self._difference is None:
+            self._prepare()
+        assert self._reference32 is not None and self._tolerance32 is not None and self._within is not None
+        torch.sub(out.to(torch.float32), self._reference32, out=self._difference).abs_()
+        torch.le(self._difference, self._tolerance32, out=self._within)  # NaN compares False
+        if bool(self._within.all()):
+            return 0
+        suspects = torch.nonzero(~self._within.view(-1)).squeeze(1)
+        values = out.reshape(-1)[suspects].to(torch.float64)
+        exact = (values - reference.view(-1)[suspects]).abs_() <= self.tolerance.view(-1)[suspects]
+        return int(suspects.numel() - torch.count_nonzero(exact))
+
+    def checksum(self, out: torch.Tensor) -> int:
+        """The per-iteration check of combine: its output is small (one row per token), so in full."""
+        return self.full(out)
 
 
 def received_keys(recv_counts: torch.Tensor, rank: int, send_mode: str) -> torch.Tensor:
@@ -147,7 +260,4 @@ def expected_combine(plan: RankPlan, hidden: int) -> tuple[torch.Tensor, torch.T
 
 def count_wrong_combine(out: torch.Tensor, reference: torch.Tensor, tolerance: torch.Tensor) -> int:
     """Elements outside the tolerance (NaN and shape mismatches count as wrong)."""
-    if out.shape != reference.shape:
-        return int(max(out.numel(), reference.numel()))
-    within = (out.to(torch.float64) - reference).abs_() <= tolerance
-    return int(within.numel() - within.sum())
+    return CombineCheck(reference, tolerance).full(out)

@@ -26,9 +26,8 @@ import torch
 
 from commbench.errors import UsageError
 from commbench.inputs.models import ModelConfig
+from commbench.traffic.pattern import check_send_mode, rank_counts
 from commbench.traffic.routing import Routing, experts_per_rank
-
-SEND_MODES = ("token", "selection")
 
 
 @dataclass
@@ -77,8 +76,7 @@ class RankPlan:
 
 def plan_rank(routing: Routing, model: ModelConfig, world_size: int, send_mode: str = "token") -> RankPlan:
     """Send layout of one rank's routed tokens (see the module docstring for the order of rows)."""
-    if send_mode not in SEND_MODES:
-        raise UsageError(f"unknown send mode {send_mode!r}; choose one of: {', '.join(SEND_MODES)}")
+    check_send_mode(send_mode)
     per_rank = experts_per_rank(model.num_experts, world_size)
     topk_ids = routing.topk_ids.to(device="cpu", dtype=torch.int64)
     topk_weights = routing.topk_weights.to(device="cpu", dtype=torch.float32)
@@ -99,14 +97,14 @@ def plan_rank(routing: Routing, model: ModelConfig, world_size: int, send_mode: 
         send_key = rows // num_tokens
         combine_weight = torch.zeros(rows.numel(), dtype=torch.float32)
         combine_weight.index_add_(0, row_of_selection, weight_of_selection)
-        send_counts = torch.bincount(send_key, minlength=world_size).view(world_size, 1)
     else:
         # Expert ids are contiguous per rank, so (expert, token) order is also grouped by destination.
         order = torch.argsort(expert_of_selection * num_tokens + token_of_selection)
         send_token_index = token_of_selection[order]
         send_key = expert_of_selection[order]
         combine_weight = weight_of_selection[order]
-        send_counts = torch.bincount(send_key, minlength=model.num_experts).view(world_size, per_rank)
+    # The rows per destination (and local expert) are the Pattern's counts of this routing.
+    send_counts = torch.from_numpy(rank_counts(routing, model.num_experts, world_size).send_counts(send_mode))
 
     return RankPlan(
         rank=routing.rank,
@@ -115,7 +113,7 @@ def plan_rank(routing: Routing, model: ModelConfig, world_size: int, send_mode: 
         num_tokens=num_tokens,
         send_token_index=send_token_index.contiguous(),
         send_key=send_key.contiguous(),
-        send_counts=send_counts.to(torch.int64).contiguous(),
+        send_counts=send_counts.contiguous(),
         combine_weight=combine_weight.contiguous(),
         dispatch_row_bytes=int(model.dispatch_bytes_per_token),
         combine_row_bytes=int(model.combine_bytes_per_token),
@@ -191,8 +189,7 @@ def plan_balanced_moe(
     (token, destination) or (token, expert) pair never repeats. A token's rows weigh 1 / its row count
     (weights sum to 1 as normalised top-k gates do), so the combine reference is well defined.
     """
-    if send_mode not in SEND_MODES:
-        raise UsageError(f"unknown send mode {send_mode!r}; choose one of: {', '.join(SEND_MODES)}")
+    check_send_mode(send_mode)
     per_rank = experts_per_rank if send_mode == "selection" else 1
     rows_to = torch.from_numpy(balanced_pair_rows(world_size, total_rows)[rank])
     extra_from = (torch.arange(per_rank, dtype=torch.int64) - rank) % per_rank  # rotated slot order

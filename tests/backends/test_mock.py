@@ -1,16 +1,16 @@
 """MockBackend + thread ranks: the harness at world sizes no machine here has (no data movement)."""
 
-import threading
-
 import numpy as np
 import pytest
 import torch
 
-from commbench.backends.mock import GenerationBarrier, MockBackend, run_threads
-from commbench.errors import CommError, UsageError, VerificationError
+from commbench.backends.mock import MockBackend
+from commbench.errors import UsageError, VerificationError
 from commbench.inputs.models import ModelConfig
 from commbench.inputs.skew import parse_skew
-from commbench.run.harness import Job, RunOptions, run_jobs
+from commbench.run.harness import run_jobs
+from commbench.run.jobs import BalancedJob, MoeJob, RunOptions
+from commbench.run.threads import run_threads
 from commbench.traffic.pattern import build_pattern
 from commbench.traffic.plan import balanced_pair_rows
 from commbench.traffic.routing import RoutingConfig
@@ -20,11 +20,21 @@ SMALL = ModelConfig(name="small", hidden=32, num_experts=32, topk=4)
 
 def job(model, world, tokens, skew="uniform", send_mode="token", name=None):
     cfg = RoutingConfig(model, parse_skew(skew), world, tokens)
-    return Job(name or model.name, "moe", cfg, send_mode, warmup=1, iters=2)
+    return MoeJob(name or model.name, cfg, send_mode, warmup=1, iters=2)
 
 
-def harness_entry(comm, jobs, opts):
-    return run_jobs(comm, jobs, opts)
+def harness_entry(comm, jobs, opts, backend_class=MockBackend):
+    return run_jobs(comm, jobs, opts, backend_class)
+
+
+class CheckedMock(MockBackend):
+    """The mock with the harness's verification on (a fresh copy of the expected rows each call, so nothing
+    to poison): the verification path at thread-rank world sizes."""
+
+    moves_data = True
+
+    def poison_receive_buffers(self):
+        pass
 
 
 def modelled_us(row, link_GBps=100.0, latency_us=10.0):
@@ -37,14 +47,15 @@ def test_mock_rows_at_world_16_match_patterns_and_the_time_model():
     jobs = [
         job(SMALL, 16, 40, skew="hot:4:0.4", send_mode="selection"),
         job(SMALL, 16, 40, skew="zipf:1.2", name="small-token"),
-        Job("balanced", "balanced", sizes=[1 << 10, 1 << 20], warmup=0, iters=2),
+        BalancedJob("balanced", [1 << 10, 1 << 20], warmup=0, iters=2),
     ]
     rows, rank_rows = run_threads(16, harness_entry, (jobs, RunOptions("mock")), timeout_s=60)
     assert [r["phase"] for r in rows] == ["dispatch", "combine"] * 2 + ["alltoall"] * 2
     assert len(rank_rows) == 6 * 16
     for row in rows:
         assert row["backend"] == "mock (no data movement)" and row["backend_name"] == "mock"
-        assert row["emulated"] is True and row["wrong"] == 0 and row["world_size"] == 16
+        assert row["emulated"] is True and row["world_size"] == 16
+        assert row["wrong"] is None and row["check"] == "n/a"  # no data moved: not verified, never 0
         assert row["mock_link_GBps"] == 100.0 and row["mock_latency_us"] == 10.0
         assert row["time_us_p50"] == pytest.approx(modelled_us(row)) == row["time_us_min"]
     for moe in jobs[:2]:
@@ -62,87 +73,36 @@ def test_mock_at_world_72():
     )
     rows, rank_rows = run_threads(72, harness_entry, ([job(toy72, 72, 16)], RunOptions("mock")))
     assert [(r["phase"], r["wrong"], r["world_size"]) for r in rows] == [
-        ("dispatch", 0, 72),
-        ("combine", 0, 72),
+        ("dispatch", None, 72),
+        ("combine", None, 72),
     ]
     assert rows[0]["row_bytes"] == 64 + 2 * 4 and rows[1]["row_bytes"] == 128
     assert sorted(r["rank"] for r in rank_rows if r["phase"] == "dispatch") == list(range(72))
 
 
 def test_corruption_is_detected_with_thread_ranks():
-    with pytest.raises(VerificationError, match="combine #wrong=1"):
-        run_threads(4, harness_entry, ([job(SMALL, 4, 16)], RunOptions("mock", corrupt="combine")))
-
-
-def failing_entry(comm):
-    comm.barrier()
-    if comm.rank == 3:
-        raise UsageError("rank 3 refuses")
-    comm.barrier()  # broken by rank 3's failure: CommError on the others
-
-
-def test_run_threads_reports_the_root_cause():
-    with pytest.raises(UsageError, match="rank 3 refuses"):
-        run_threads(5, failing_entry)
-
-    def lonely(comm):
-        if comm.rank == 0:
-            comm.barrier()
-
-    with pytest.raises(CommError, match="rank 0: barrier failed"):
-        run_threads(2, lonely, timeout_s=0.2)
+    opts = RunOptions("mock", corrupt="combine")
+    with pytest.raises(VerificationError, match="combine #wrong=1 elements in 1 of 2 timed iterations"):
+        run_threads(4, harness_entry, ([job(SMALL, 4, 16)], opts, CheckedMock))
+    # The plain mock moves nothing, so there is nothing to verify or corrupt: #wrong n/a, no error.
+    rows, _ = run_threads(4, harness_entry, ([job(SMALL, 4, 16)], opts))
+    assert [(r["wrong"], r["check"]) for r in rows] == [(None, "n/a")] * 2
 
 
 def test_mock_options_and_order_of_setup():
     comm = type("C", (), {"rank": 0, "world_size": 2, "device": torch.device("cpu")})()
-    with pytest.raises(UsageError, match="unknown mock option"):
+    with pytest.raises(UsageError, match="backend mock has no option.* bandwidth"):
         MockBackend(comm, {"bandwidth": 1})
-    with pytest.raises(UsageError, match="positive"):
+    with pytest.raises(UsageError, match="link_GBps=0.0 must be > 0"):
         MockBackend(comm, {"link_GBps": 0})
     with pytest.raises(RuntimeError, match="setup_peers"):
         MockBackend(comm, {}).setup(None)
 
 
-def test_released_barrier_wait_survives_a_later_abort():
-    """Regression: a rank whose barrier generation was released must not see an abort that came after.
-
-    The test thread holds the barrier's (re-entrant) lock across its own arrival and the abort, so the other
-    waiter can only wake up once the barrier is both released and broken: the order that made
-    threading.Barrier raise BrokenBarrierError in rank 0's second gather wait."""
-    barrier = GenerationBarrier(2, timeout=10.0)
-    outcome: list[str] = []
-
-    def waiter():
-        try:
-            barrier.wait()
-            outcome.append("released")
-        except threading.BrokenBarrierError:
-            outcome.append("broken")
-
-    thread = threading.Thread(target=waiter)
-    with barrier._cond:
-        thread.start()
-        while barrier._arrived != 1:  # wait (releasing the lock) until the waiter is parked
-            barrier._cond.wait(0.01)
-        barrier.wait()  # last arrival: releases the generation
-        barrier.abort()  # then another rank fails
-    thread.join(10.0)
-    assert outcome == ["released"]
-    with pytest.raises(threading.BrokenBarrierError):  # later generations are broken
-        barrier.wait()
-
-
-def test_barrier_timeout_breaks_it():
-    barrier = GenerationBarrier(2, timeout=0.05)
-    with pytest.raises(threading.BrokenBarrierError):
-        barrier.wait()
-    assert barrier.broken
-
-
 def rows_until_failure(comm, jobs, opts):
     written: list[dict] = []
     try:
-        run_jobs(comm, jobs, opts, sink=lambda rows, _: written.extend(rows))
+        run_jobs(comm, jobs, opts, CheckedMock, sink=lambda rows, _: written.extend(rows))
     except VerificationError:
         return written
     return None
@@ -171,6 +131,6 @@ def test_mock_imbalance_cost_matches_the_time_model():
         assert row["balanced_time_us_p50"] == pytest.approx(modelled_us({
             "max_send_link_bytes": link.sum(axis=1).max(), "max_recv_link_bytes": link.sum(axis=0).max()
         }))  # fmt: skip
-        assert row["skew_cost"] == pytest.approx(row["time_us_p50"] / row["balanced_time_us_p50"])
-        assert row["skew_cost"] > 1.0  # two hot experts: their ranks receive far more than the mean
+        # Two hot experts: their ranks receive far more than the mean, so the skewed phase takes longer.
+        assert row["time_us_p50"] > row["balanced_time_us_p50"]
     assert {r["domain"] for r in rank_rows} == {0, 1, 2, 3}

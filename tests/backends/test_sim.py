@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from commbench.backends import get_backend
-from commbench.backends.sim import SimBackend, parse_options
+from commbench.backends.sim import SimBackend
 from commbench.errors import UsageError
 from commbench.fabric.model import balanced_traffic, make_fabric, predict_phase
 from commbench.inputs.models import load_model
@@ -73,40 +73,45 @@ def test_moe_shapes_counts_and_combine():
 def test_setup_needs_the_peers_and_options_are_checked():
     with pytest.raises(RuntimeError, match="setup_peers"):
         SimBackend(_comm(0, 2)).setup(plan_balanced(0, 2, 1024))
-    with pytest.raises(UsageError, match="unknown sim option"):
+    with pytest.raises(UsageError, match="backend sim has no option.* bandwidth"):
         SimBackend(_comm(0, 2), {"bandwidth": 1})
     with pytest.raises(UsageError, match="true or false"):
-        parse_options({"pxn": "maybe"})
-    with pytest.raises(UsageError, match="must be a number"):
-        parse_options({"nvlink_efficiency": "high"})
-    parsed = parse_options({"nvlink_efficiency": "0.5", "phase_latency_us": "3", "rail_optimized": "no"})
-    assert parsed == {"nvlink_efficiency": 0.5, "phase_latency_us": 3.0, "rail_optimized": False}
+        SimBackend.check_options({"pxn": "maybe"})
+    with pytest.raises(UsageError, match="is not a number"):
+        SimBackend.check_options({"nvlink_efficiency": "high"})
+    parsed = SimBackend.check_options(
+        {"nvlink_efficiency": "0.5", "phase_latency_us": "3", "rail_optimized": "no"}
+    )
+    assert parsed["nvlink_efficiency"] == 0.5 and parsed["phase_latency_us"] == 3.0
+    assert parsed["rail_optimized"] is False and parsed["pxn"] is None  # None: the spec's value
     backend = SimBackend(_comm(0, 2), {"phase_latency_us": 3, "nvlink_efficiency": 0.5})
     assert backend.fabric.params.phase_latency_s == pytest.approx(3e-6)
     assert backend.fabric.params.nvlink_efficiency == 0.5
 
 
 def _harness_entry(comm, jobs, opts):
+    from commbench.backends import get_backend
     from commbench.run.harness import run_jobs
 
-    return run_jobs(comm, jobs, opts)
+    return run_jobs(comm, jobs, opts, get_backend(opts.backend))
 
 
 def test_harness_with_thread_ranks_reports_the_model():
-    from commbench.backends.mock import run_threads
-    from commbench.run.harness import Job, RunOptions
+    from commbench.run.jobs import BalancedJob, MoeJob, RunOptions
+    from commbench.run.threads import run_threads
 
     world, size = 8, 1 << 16
     cfg = RoutingConfig(load_model("qwen3-30b-a3b"), parse_skew("uniform"), world, 32)
     jobs = [
-        Job("moe", "moe", routing=cfg, warmup=0, iters=2),
-        Job("balanced", "balanced", sizes=[size], warmup=0, iters=2),
+        MoeJob("moe", routing=cfg, warmup=0, iters=2),
+        BalancedJob("balanced", sizes=[size], warmup=0, iters=2),
     ]
     options = RunOptions("sim", {"spec": "gb200-nvl72", "ranks_per_domain": "4"})
     rows, _ = run_threads(world, _harness_entry, (jobs, options), timeout_s=120)
     assert [r["phase"] for r in rows] == ["dispatch", "combine", "alltoall"]
     for row in rows:
-        assert row["emulated"] is True and row["wrong"] == 0 and row["sim_spec"] == "gb200-nvl72"
+        assert row["emulated"] is True and row["sim_spec"] == "gb200-nvl72"
+        assert row["wrong"] is None and row["check"] == "n/a"  # nothing moved: not verified, never 0
         assert row["time_us_p50"] == row["time_us_min"] > 0  # modelled: the same every iteration
     fabric = make_fabric("gb200-nvl72", world, ranks_per_domain=4)
     expected = predict_phase(balanced_traffic(world, size // world), fabric).time_s * 1e6

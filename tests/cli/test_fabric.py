@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -6,6 +7,8 @@ from click.testing import CliRunner
 
 from commbench.cli.fabric import simulate, topo
 from commbench.errors import UsageError
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
 def test_topo_on_this_machine():
@@ -54,3 +57,24 @@ def test_simulate_json_and_fabric_options():
 def test_simulate_bad_input(args, message):
     result = CliRunner().invoke(simulate, args)
     assert isinstance(result.exception, UsageError) and message in str(result.exception)
+
+
+def test_calibration_table_in_the_docs_is_current():
+    result = CliRunner().invoke(simulate, ["--calibration"])
+    assert result.exit_code == 0, result.output
+    table, notes, sources = result.output.strip().split("\n\n")
+    assert table in DOCS.joinpath("fabric-model.md").read_text(), (
+        "regenerate: commbench simulate --calibration"
+    )
+    assert "| GB300 2 racks x 16 trays (!)" in table and "+262% |" in table
+    assert notes.startswith("- (!) GB300 2 racks x 16 trays: not explained")
+    assert sources.startswith("Sources: ") and "DeepEP README" in sources
+
+
+def test_calibration_json_rows():
+    result = CliRunner().invoke(simulate, ["--calibration", "--json", "--tokens", "256"])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert len(rows) == 21 and all(row["source"] for row in rows)
+    flagged = [row["case"] for row in rows if row["note"]]
+    assert flagged == ["GB300 2 racks x 16 trays", "GB300 2 racks (128), 512 KiB"]

@@ -1,21 +1,10 @@
+"""The fabric model: closed forms for balanced traffic, PXN forwarding, bottlenecks, uplinks, validation."""
+
 import numpy as np
 import pytest
 
 from commbench.errors import UsageError
-from commbench.fabric.model import (
-    CALIBRATION_CASES,
-    FabricParams,
-    balanced_traffic,
-    calibration_markdown,
-    compute_loads,
-    deepep_internode_loads,
-    expert_owner,
-    grouped_pattern,
-    make_fabric,
-    predict_case,
-    predict_phase,
-    simulate,
-)
+from commbench.fabric.model import FabricParams, balanced_traffic, compute_loads, make_fabric, predict_phase
 from commbench.inputs.specs import parse_spec
 
 B = 1_000_000.0  # bytes per peer
@@ -131,104 +120,3 @@ def test_params_from_spec_and_validation(tmp_path):
         make_fabric("gb300-nvl72", 8, pod_gpus=6, oversubscription=2.0)
     with pytest.raises(UsageError, match="covers 4 ranks"):
         predict_phase(balanced_traffic(4, B), make_fabric("gb300-nvl72", 8))
-
-
-def test_expert_owner():
-    assert expert_owner(256, 64).tolist() == (np.arange(256) // 4).tolist()
-    uneven = expert_owner(256, 72)
-    counts = np.bincount(uneven)
-    assert counts.size == 72 and set(counts.tolist()) == {3, 4} and counts.sum() == 256
-    assert np.all(np.diff(uneven) >= 0)  # contiguous
-    with pytest.raises(UsageError, match="between 1 and"):
-        expert_owner(8, 16)
-
-
-def test_exact_grouped_pattern_invariants():
-    pattern = grouped_pattern("qwen3-30b-a3b", 16, tokens_per_rank=64, ep_size=8, exact=True)
-    assert pattern.dispatch_tokens.shape == (2, 8, 8) and pattern.num_groups == 2
-    assert np.all(pattern.dispatch_selections.sum(2) == 64 * 8)  # every token selects top-8, none dropped
-    assert np.all(pattern.dispatch_selections >= pattern.dispatch_tokens)
-    row = pattern.model.combine_bytes_per_token
-    assert np.array_equal(pattern.combine_bytes[1], pattern.dispatch_tokens[1].T * row)
-    one_expert_each = grouped_pattern("mixtral-8x22b", 8, tokens_per_rank=32, exact=True)
-    assert np.array_equal(one_expert_each.dispatch_tokens, one_expert_each.dispatch_selections)
-
-
-def test_sampled_fast_path_matches_the_exact_build():
-    kwargs = {"tokens_per_rank": 512, "seed": 1}
-    fabric = make_fabric("gb300-nvl72", 32, ranks_per_domain=8)
-    exact = grouped_pattern("deepseek-v3", 32, exact=True, **kwargs)
-    fast = grouped_pattern("deepseek-v3", 32, exact=False, **kwargs)
-    assert fast.method == "sampled" and exact.method == "exact"
-    assert fast.dispatch_bytes.sum() == pytest.approx(exact.dispatch_bytes.sum(), rel=0.01)
-    for phase in ("dispatch_bytes", "combine_bytes"):
-        t_fast = predict_phase(getattr(fast, phase), fabric).time_s
-        t_exact = predict_phase(getattr(exact, phase), fabric).time_s
-        assert t_fast == pytest.approx(t_exact, rel=0.03)
-
-
-def test_grouped_pattern_bad_sizes():
-    with pytest.raises(UsageError, match="do not split into EP groups"):
-        grouped_pattern("deepseek-v3", 300, tokens_per_rank=16)
-    with pytest.raises(UsageError, match="between 1 and"):
-        grouped_pattern("qwen3-30b-a3b", 256, tokens_per_rank=16, ep_size=256)
-
-
-def test_simulate_rows_and_efficiency():
-    result = simulate("qwen3-30b-a3b", [16, 8], spec="hgx-h100", tokens_per_rank=256, sample_tokens=1024)
-    assert [r["ranks"] for r in result.rows] == [8, 8, 8, 16, 16, 16]
-    first = [r for r in result.rows if r["ranks"] == 8]
-    assert all(r["scaling_efficiency"] == 1.0 for r in first)
-    dispatch16 = next(r for r in result.rows if r["ranks"] == 16 and r["phase"] == "dispatch")
-    assert "scale-out" in dispatch16["bottleneck"]  # two HGX servers: the NIC limits
-    assert dispatch16["scaling_efficiency"] < 1.0 and dispatch16["scaleout_bytes_per_gpu"] > 0
-    total16 = next(r for r in result.rows if r["ranks"] == 16 and r["phase"] == "total")
-    combine16 = next(r for r in result.rows if r["ranks"] == 16 and r["phase"] == "combine")
-    assert total16["time_us"] == pytest.approx(dispatch16["time_us"] + combine16["time_us"])
-    assert any("spans 2 NVLink domains" in note for note in result.notes)
-
-
-def test_calibration_one_rack_and_cross_rack_nccl_within_10_percent():
-    for case in CALIBRATION_CASES:
-        if case.kind.startswith("nccl") and not case.note:
-            value, _ = predict_case(case, None, tokens=0, seed=0)
-            assert value == pytest.approx(case.published, rel=0.10), case.label
-
-
-def test_calibration_deepep_intranode():
-    for case in CALIBRATION_CASES:
-        if case.label.startswith("DeepEP EP8"):
-            value, prediction = predict_case(case, None, tokens=2048, seed=0)
-            assert value == pytest.approx(case.published, rel=0.12), case.label
-            assert prediction.bottleneck_class == "nvlink"
-
-
-def test_deepep_loads_count_own_node_in_rdma_figure():
-    # 2 nodes x 8 ranks; every token reaches every rank: RDMA counts both nodes, only one crosses a NIC.
-    hits = np.ones((16, 4, 16), dtype=bool)
-    loads, counted = deepep_internode_loads(hits, row_bytes=10)
-    assert np.all(counted == 4 * 2 * 10)
-    assert np.all(loads.bytes[:, 1, 0] == 4 * 1 * 10)  # NIC send: the remote node only
-    assert np.all(loads.bytes[:, 1, 1] == 4 * 10)  # NIC recv from the same-rail rank of the other node
-    # NVLink: each forwarder sends each received token to the 7 other ranks of its node, for its own
-    # tokens and the remote peer's.
-    assert np.all(loads.bytes[:, 0, 0] == 2 * 4 * 7 * 10)
-
-
-def test_calibration_markdown_flags_unexplained_cases():
-    rows = [
-        {
-            "case": "a",
-            "spec": "s",
-            "ranks": 2,
-            "metric": "m",
-            "published": 1.0,
-            "predicted": 2.0,
-            "error_pct": 100.0,
-            "bottleneck": "b",
-            "source": "src",
-            "note": "not explained",
-        },
-    ]
-    text = calibration_markdown(rows)
-    assert "| a (!) |" in text and "+100%" in text and "(!) a: not explained" in text

@@ -32,3 +32,16 @@ def test_capture_environment_on_cpu(monkeypatch) -> None:
 def test_communication_env_vars_filters_and_sorts() -> None:
     picked = communication_env_vars({"PATH": "/bin", "NCCL_B": "2", "NCCL_A": "1", "NCCLX": "no"})
     assert list(picked) == ["NCCL_A", "NCCL_B"]
+
+
+def test_nvml_section_from_the_probe(install_nvml) -> None:
+    install_nvml(gpus=2, links={0: 1, 1: 1, 2: 1, 3: 0})
+    assert capture_environment()["nvml"] == {
+        "driver_version": "580.82.07",
+        "gpus": [
+            {"index": 0, "name": "NVIDIA GB300", "nvlink_active_links": 3},
+            {"index": 1, "name": "NVIDIA GB300", "nvlink_active_links": 3},
+        ],
+    }
+    install_nvml(absent=True)  # no driver: not an error for a report
+    assert capture_environment()["nvml"] is None

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from commbench.errors import UsageError
-from commbench.inputs.models import ModelConfig, list_models, load_model
+from commbench.inputs.models import LIMITS, ModelConfig, list_models, load_model
 
 PRESETS = {
     # name: (hidden, routed experts, topk, shared, n_group, topk_group, dispatch dtype)
@@ -98,9 +98,9 @@ def test_user_yaml_file(tmp_path):
         (VALID + "dispatch_dtype: fp4\n", "dispatch_dtype must be one of"),
         (VALID + "combine_dtype: fp8\n", "combine_dtype must be bf16"),
         (VALID + "name: 7\n", "name must be a string"),
-        ("hidden: [1024\n", "invalid YAML"),
+        ("hidden: [1024\n", "bad YAML"),
         ("- 1\n- 2\n", "expected a mapping"),
-        ("", "expected a mapping"),
+        ("", "is empty"),
     ],
 )
 def test_bad_yaml_is_a_one_line_usage_error(tmp_path, text, words):
@@ -115,10 +115,66 @@ def test_bad_yaml_is_a_one_line_usage_error(tmp_path, text, words):
 def test_binary_model_file_is_a_usage_error(tmp_path):
     path = tmp_path / "binary.yaml"
     path.write_bytes(b"\xff\xfe\x00hidden: 3\n")
-    with pytest.raises(UsageError, match="unreadable"):
+    with pytest.raises(UsageError, match="not UTF-8 text"):
         load_model(str(path))
 
 
 def test_missing_file():
     with pytest.raises(UsageError, match="not found"):
         load_model("/nonexistent/model.yaml")
+
+
+# topk_group <= n_group <= its limit: a topk_group past the limit is refused by the n_group bound first.
+@pytest.mark.parametrize("key", sorted(set(LIMITS) - {"topk_group"}))
+def test_every_count_has_an_upper_bound(key):
+    values = {"hidden": 1024, "num_experts": 1 << 16, "topk": 1}
+    values[key] = LIMITS[key] + 1
+    with pytest.raises(UsageError, match=f"{key} {LIMITS[key] + 1} is above the limit {LIMITS[key]}"):
+        ModelConfig("big", **values)
+    values[key] = LIMITS[key]
+    if key == "n_group":
+        values.update(topk_group=1, topk=1)
+    ModelConfig("at-the-limit", **values)  # the bound itself is accepted
+
+
+@pytest.mark.parametrize(
+    "line, words",
+    [
+        ("hidden: .nan", "hidden must be a positive integer, got nan"),
+        ("hidden: -.inf", "hidden must be a positive integer"),
+        ("hidden: 1.0e+400", "hidden must be a positive integer, got inf"),
+        ("hidden: 1e400", "got text '1e400'"),  # YAML 1.1 reads an exponent without a dot as text
+        ("hidden: 1" + "0" * 400, "key 'hidden': integer"),
+        ("hidden: 1048577", "hidden 1048577 is above the limit 1048576"),
+        ("hidden: yes", "got a boolean True"),
+        ("hidden: '1024'", "got text '1024'"),
+        ("hidden:", "got None"),
+    ],
+)
+def test_bad_numbers_name_the_file_key_and_fix(tmp_path, line, words):
+    path = tmp_path / "model.yaml"
+    path.write_text(line + "\nnum_experts: 16\ntopk: 2\n")
+    with pytest.raises(UsageError) as info:
+        load_model(str(path))
+    message = str(info.value)
+    assert words in message and str(path) in message and "hidden" in message and "\n" not in message
+
+
+def test_name_must_be_one_short_line(tmp_path):
+    path = tmp_path / "model.yaml"
+    for name in ('"a\\nb"', "x" * 101, "''", '"\\x00"'):
+        path.write_text(VALID + f"name: {name}\n")
+        with pytest.raises(UsageError, match="printable characters on one line"):
+            load_model(str(path))
+
+
+def test_model_path_with_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "mine.yaml").write_text(VALID)
+    assert load_model("~/mine.yaml").name == "mine"
+
+
+def test_long_unknown_model_name_is_shortened():
+    with pytest.raises(UsageError) as info:
+        load_model("m" * 100_000)
+    assert len(str(info.value)) < 400

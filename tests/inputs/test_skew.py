@@ -1,3 +1,5 @@
+import io
+import os
 import zipfile
 
 import numpy as np
@@ -6,6 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from commbench.errors import UsageError
+from commbench.inputs import skew
 from commbench.inputs.skew import SkewSpec, load_trace, parse_skew
 
 
@@ -107,7 +110,7 @@ def test_parquet_numbered_columns(tmp_path):
         (np.array([[0, 1], [2, 16]]), "span 0..16"),
         (np.array([[0, 1], [-1, 3]]), "span -1..3"),
         (np.array([[0, 1], [3, 3]]), "token 1 repeats"),
-        (np.array([[0.0, 1.0]]), "must be integers"),
+        (np.array([[0.0, 1.0]]), "must be integer expert ids"),
         (np.zeros((0, 2), dtype=np.int64), "no tokens"),
     ],
 )
@@ -204,3 +207,145 @@ def test_corrupted_compressed_npz(tmp_path):
 def test_trace_path_expands_home(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path))
     assert parse_skew("trace:~/routing.npz").trace_path == str(tmp_path / "routing.npz")
+
+
+def _refused(path, num_experts: int = 8, topk: int = 2) -> str:
+    with pytest.raises(UsageError) as info:
+        load_trace(str(path), num_experts=num_experts, topk=topk)
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 400
+    return message
+
+
+def test_npz_header_declaring_a_huge_array_is_refused_before_allocation(tmp_path):
+    # A member whose .npy header declares 2^40 elements and holds none: numpy would allocate 8 TiB first.
+    path = tmp_path / "huge.npz"
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "<i8", "fortran_order": False, "shape": (1 << 39, 2)}
+    )
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("topk_ids.npy", header.getvalue())
+    assert f"above the limit {skew.MAX_TRACE_SELECTIONS}" in _refused(path)
+
+
+def test_npz_weights_header_is_bounded_too(tmp_path):
+    path = tmp_path / "huge.npz"
+    header = io.BytesIO()
+    np.lib.format.write_array_header_2_0(
+        header, {"descr": "<f4", "fortran_order": False, "shape": (1 << 40,)}
+    )
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("topk_ids.npy", _npy_bytes(np.array([[0, 1]])))
+        archive.writestr("topk_weights.npy", header.getvalue())
+    assert "topk_weights holds" in _refused(path)
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def test_npz_with_many_members_is_refused_before_listing_them(tmp_path):
+    path = tmp_path / "many.npz"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("topk_ids.npy", _npy_bytes(np.array([[0, 1]])))
+        for index in range(100):
+            archive.writestr(f"junk{index}", b"")
+    assert "a .npz of 101 members" in _refused(path)
+
+
+def test_trace_file_size_is_bounded(tmp_path, monkeypatch):
+    path = tmp_path / "trace.npz"
+    np.savez(path, topk_ids=_distinct_ids(1000, 2, 8))
+    monkeypatch.setattr(skew, "MAX_TRACE_FILE_BYTES", 1000)
+    assert "limit for a trace" in _refused(path)
+
+
+def test_trace_token_count_is_bounded(tmp_path, monkeypatch):
+    path = tmp_path / "trace.npz"
+    np.savez(path, topk_ids=_distinct_ids(100, 2, 8))
+    monkeypatch.setattr(skew, "MAX_TRACE_TOKENS", 50)
+    assert "holds 100 tokens, above the limit 50" in _refused(path)
+
+
+def test_parquet_rows_and_values_are_bounded_from_the_footer(tmp_path, monkeypatch):
+    ids = _distinct_ids(100, 2, 8)
+    path = tmp_path / "trace.parquet"
+    pq.write_table(pa.table({"topk_ids": list(ids.tolist())}), path)
+    monkeypatch.setattr(skew, "MAX_TRACE_TOKENS", 50)
+    assert "holds 100 rows (tokens), above the limit 50" in _refused(path)
+    monkeypatch.setattr(skew, "MAX_TRACE_TOKENS", 1000)
+    monkeypatch.setattr(skew, "MAX_TRACE_SELECTIONS", 150)
+    assert "column topk_ids holds 200 values, above the limit 150" in _refused(path)
+
+
+def test_empty_and_folder_traces(tmp_path):
+    empty = tmp_path / "empty.npz"
+    empty.write_bytes(b"")
+    assert "is empty" in _refused(empty)
+    folder = tmp_path / "folder.npz"
+    folder.mkdir()
+    assert "is not a file" in _refused(folder)
+
+
+@pytest.mark.parametrize(
+    "ids, words",
+    [
+        (np.array([[0, 1], [2, 2**63 + 5]], dtype=np.uint64), "span 0..9223372036854775813"),
+        (np.array([[0.0, np.nan]]), "must be integer expert ids, got dtype float64"),
+        (np.array([[True, False]]), "must be integer expert ids, got dtype bool"),
+        (np.array([["0", "1"]]), "must be integer expert ids"),
+        (np.array(3), "shape []"),
+        (np.zeros((2, 2, 2), dtype=np.int64), "shape [2, 2, 2]"),
+    ],
+    ids=["uint64-above-int64", "nan", "bool", "text", "scalar", "3-d"],
+)
+def test_more_malformed_ids(tmp_path, ids, words):
+    path = tmp_path / "bad.npz"
+    np.savez(path, topk_ids=ids)
+    assert words in _refused(path)
+
+
+@pytest.mark.parametrize(
+    "weights, words",
+    [
+        (np.array([[0.5, np.nan]]), "finite and >= 0"),
+        (np.array([[0.5, np.inf]]), "finite and >= 0"),
+        (np.array([[0.5, 1e300]]), "finite and >= 0"),  # inf once cast to float32
+        (np.array([[0.5 + 1j, 0.5]]), "must be real numbers"),
+    ],
+    ids=["nan", "inf", "float32-overflow", "complex"],
+)
+def test_bad_weights(tmp_path, weights, words):
+    path = tmp_path / "weights.npz"
+    np.savez(path, topk_ids=np.array([[0, 1]]), topk_weights=weights)
+    assert words in _refused(path)
+
+
+def test_parquet_float_ids_with_nan(tmp_path):
+    path = tmp_path / "trace.parquet"
+    pq.write_table(pa.table({"topk_0": [0.0, float("nan")], "topk_1": [1.0, 2.0]}), path)
+    assert "must be integer expert ids" in _refused(path)
+
+
+class _RunsOnUnpickle:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.mkdir, (self.marker,))
+
+
+@pytest.mark.parametrize("member", ["topk_ids", "topk_weights"])
+def test_pickles_are_never_executed(tmp_path, member):
+    """np.load stays allow_pickle=False: a pickle that would create a folder when loaded is refused."""
+    marker = tmp_path / "pwned"
+    payload = np.empty((1, 2), dtype=object)
+    payload[:] = _RunsOnUnpickle(str(marker))
+    arrays = {"topk_ids": np.array([[0, 1]]), member: payload}
+    path = tmp_path / "pickled.npz"
+    np.savez(path, **arrays)
+    assert "pickled object arrays" in _refused(path)
+    assert not marker.exists()

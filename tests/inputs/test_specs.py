@@ -1,9 +1,17 @@
 import math
+from dataclasses import asdict
 
 import pytest
 
 from commbench.errors import UsageError
-from commbench.inputs.specs import DEFAULT_SPEC_NAME, SystemSpec, list_specs, load_spec, parse_spec
+from commbench.inputs.specs import (
+    DEFAULT_SPEC_NAME,
+    SystemSpec,
+    list_specs,
+    load_spec,
+    parse_spec,
+    spec_from_dict,
+)
 
 GOOD = """
 name: test-system
@@ -89,7 +97,7 @@ def test_defaults_for_optional_keys():
         (GOOD + "oversubscription: 0.5\n", "oversubscription 0.5 < 1"),
         (GOOD + "nvlink_efficiency: 1.5\n", "nvlink_efficiency 1.5 > 1"),
         (GOOD + "rail_optimized: maybe\n", "must be true or false"),
-        (GOOD + "nvlink_GBps_per_direction: .nan\n", "must be positive"),
+        (GOOD.replace("450", ".nan"), "must be positive"),
     ],
 )
 def test_bad_spec_files_give_one_line_errors(text, expected):
@@ -107,13 +115,15 @@ def test_unknown_name_and_missing_file():
         load_spec("/nonexistent/spec.yaml")
 
 
-def test_to_bandwidth_spec():
-    pytest.importorskip("commbench.report")
-    bandwidth = load_spec("gb200-nvl72").to_bandwidth_spec()
-    assert bandwidth.per_gpu_GBps_per_direction == 900
-    assert bandwidth.gpus_per_domain == 72
-    assert bandwidth.aggregate_GBps_bidirectional == 130000
-    assert bandwidth.name == "gb200-nvl72"
+def test_spec_from_dict_reads_back_a_saved_spec():
+    for name in list_specs():
+        spec = load_spec(name)
+        saved = {**asdict(spec), "description_line": spec.describe(), "added_by_a_newer_version": 1}
+        assert spec_from_dict(saved, "meta.json") == spec
+    with pytest.raises(UsageError, match="spec in meta.json: nvlink_GBps_per_direction must be a number"):
+        spec_from_dict({**asdict(load_spec()), "nvlink_GBps_per_direction": "fast"}, "meta.json")
+    with pytest.raises(UsageError, match="missing key"):
+        spec_from_dict({"name": "x"}, "meta.json")
 
 
 def test_load_spec_passes_a_spec_through():

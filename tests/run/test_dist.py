@@ -9,7 +9,19 @@ import pytest
 import torch
 
 from commbench.errors import CommError, UsageError, VerificationError
-from commbench.run.dist import CpuTimer, _free_port, _launch_error, hang_bound_s, launch
+from commbench.run.dist import (
+    CpuTimer,
+    free_port,
+    hang_bound_s,
+    is_rank0_process,
+    launch,
+    process_group_backend,
+    resolve_backend,
+    resolve_world_size,
+)
+from commbench.run.launcher import launch_error as _launch_error
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def gather_entry(comm, tag):
@@ -67,8 +79,10 @@ def slow_peer_entry(comm):
     comm.barrier()
 
 
-def test_collective_timeout_names_rank_and_operation():
-    with pytest.raises(CommError, match=r"^rank 0: barrier failed: .*[Tt]imed out"):
+def test_collective_timeout_names_rank_operation_and_the_busy_peer():
+    # Rank 1 is alive (its heartbeat is fresh) but outside any collective: named as what rank 0 waited for.
+    match = r"^rank 0: barrier timed out after 1.5 s waiting for rank 1 \(host .*, pid \d+, cpu\) is alive"
+    with pytest.raises(CommError, match=match):
         launch(2, slow_peer_entry, (), backend="gloo", timeout_s=1.5)
 
 
@@ -91,7 +105,7 @@ def test_torchrun_environment_runs_in_process(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     assert launch(None, single_entry, (7,), backend="gloo", timeout_s=30) == (0, 1, 7)
     assert not torch.distributed.is_initialized()
     with pytest.raises(UsageError, match="WORLD_SIZE=1"):
@@ -99,17 +113,52 @@ def test_torchrun_environment_runs_in_process(monkeypatch):
 
 
 def test_bad_launch_arguments(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+    for name in TORCHRUN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(UsageError, match="world-size"):
         launch(None, single_entry, (1,), backend="gloo")
-    with pytest.raises(UsageError, match="unknown process-group backend"):
-        launch(2, single_entry, (1,), backend="mpi")
     if torch.cuda.device_count() < 64:
-        with pytest.raises(UsageError, match="backend nccl needs 64 GPU"):
+        with pytest.raises(UsageError, match="backend nccl needs 64 CUDA device"):
             launch(64, single_entry, (1,), backend="nccl")
     with pytest.raises(UsageError, match="timeout"):
         launch(2, single_entry, (1,), backend="gloo", timeout_s=0)
+
+
+def test_world_size_and_backend_resolution(monkeypatch):
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    devices = {"count": 0}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices["count"])
+    assert is_rank0_process()
+    assert resolve_world_size(4) == 4
+    with pytest.raises(UsageError, match="--world-size is required outside torchrun"):
+        resolve_world_size(None)
+    assert resolve_backend("auto", 4) == (
+        "gloo",
+        "auto: 0 CUDA device(s) for 4 ranks -> gloo (CPU processes)",
+    )
+    assert resolve_backend("shmem-emu", 4) == ("shmem-emu", "shmem-emu (as requested)")
+    with pytest.raises(UsageError, match="backend nvshmem needs 4 CUDA device"):
+        resolve_backend("nvshmem", 4)
+    devices["count"] = 4
+    assert resolve_backend("auto", 4)[0] == "nccl" and resolve_backend("auto", 8)[0] == "gloo"
+    assert [process_group_backend(name) for name in ("nccl", "nvshmem", "gloo", "sim")] == [
+        "nccl",
+        "nccl",
+        "gloo",
+        "gloo",
+    ]
+    # Under torchrun: its WORLD_SIZE; auto = nccl with any local device; a device per local rank needed.
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "16"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert not is_rank0_process() and resolve_world_size(None) == 16
+    with pytest.raises(UsageError, match="differs from torchrun's WORLD_SIZE=16"):
+        resolve_world_size(4)
+    with pytest.raises(UsageError, match="backend nccl needs 8 CUDA device"):
+        resolve_backend("auto", 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resolve_backend("auto", 16) == ("nccl", "auto: torchrun with 4 local CUDA device(s) -> nccl")
 
 
 def test_launch_error_prefers_the_root_cause():

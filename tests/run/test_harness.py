@@ -1,28 +1,27 @@
 """Harness: unit checks of the row math, and real gloo runs (few launches, several checks each)."""
 
+import json
+import subprocess
+import sys
 from dataclasses import replace
 from types import SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 import pytest
 import torch
 
+from commbench.backends.mock import MockBackend
+from commbench.backends.torchdist import TorchDistBackend
 from commbench.errors import UsageError, VerificationError
 from commbench.inputs.models import ModelConfig, load_model
 from commbench.inputs.skew import parse_skew
+from commbench.plain import knobs_text
 from commbench.run.dist import launch
-from commbench.run.harness import (
-    Job,
-    RunOptions,
-    _byte_columns,
-    _time_columns,
-    imbalance_columns,
-    job_backend_options,
-    knobs_text,
-    row_knobs,
-    run_jobs,
-    skew_cost_columns,
-)
+from commbench.run.harness import run_jobs
+from commbench.run.jobs import BalancedJob, MoeJob, RunOptions, job_backend_options
+from commbench.run.rows import byte_columns, imbalance_columns, row_knobs, time_columns
+from commbench.run.threads import run_threads
 from commbench.traffic.pattern import build_pattern
 from commbench.traffic.plan import balanced_pair_rows
 from commbench.traffic.routing import RoutingConfig
@@ -35,11 +34,9 @@ RESULT_KEYS = {
     "expert_max_mean", "maxvio", "expert_cv", "num_domains", "ranks_per_domain", "layout_source",
     "nvlink_bytes", "scaleout_bytes", "nvlink_bottleneck_rank", "nvlink_bottleneck_dir",
     "nvlink_bottleneck_bytes", "scaleout_bottleneck_rank", "scaleout_bottleneck_dir",
-    "scaleout_bottleneck_bytes", "knobs",
+    "scaleout_bottleneck_bytes", "knobs", "check",
 }  # fmt: skip
-IMBALANCE_KEYS = {
-    "balanced_size_bytes", "balanced_total_bytes", "balanced_time_us_p50", "skew_cost", "skew_bw_loss_pct",
-}  # fmt: skip
+IMBALANCE_KEYS = {"balanced_size_bytes", "balanced_total_bytes", "balanced_time_us_p50"}
 BYTE_KEYS = (
     "size_bytes", "total_bytes", "self_bytes", "link_bytes", "max_send_bytes", "max_recv_bytes",
     "max_send_link_bytes", "max_recv_link_bytes",
@@ -49,12 +46,12 @@ SMALL = ModelConfig(name="small", hidden=48, num_experts=16, topk=4, dispatch_dt
 
 def moe_job(model, world, tokens, skew="uniform", send_mode="token", name=None, **routing):
     cfg = RoutingConfig(model, parse_skew(skew), world, tokens, **routing)
-    return Job(name or model.name, "moe", cfg, send_mode, warmup=1, iters=3)
+    return MoeJob(name or model.name, cfg, send_mode, warmup=1, iters=3)
 
 
 def test_byte_columns_follow_the_alltoallv_convention():
     matrix = np.array([[5, 1, 0], [2, 7, 3], [0, 9, 1]])  # [src][dst]
-    assert _byte_columns(matrix) == {
+    assert byte_columns(matrix) == {
         "size_bytes": 17,  # rank 1 receives 1 + 7 + 9
         "total_bytes": 28,
         "self_bytes": 13,
@@ -68,7 +65,7 @@ def test_byte_columns_follow_the_alltoallv_convention():
 
 def test_time_columns_use_the_slowest_rank_of_each_iteration():
     seconds = np.array([[1e-6, 5e-6, 3e-6, 2e-6], [4e-6, 1e-6, 1e-6, 2e-6]])
-    columns = _time_columns(seconds)  # per-iteration max: 4, 5, 3, 2 us
+    columns = time_columns(seconds)  # per-iteration max: 4, 5, 3, 2 us
     assert columns["time_us_min"] == pytest.approx(2.0)
     assert columns["time_us_p50"] == pytest.approx(3.5)
     assert columns["time_us_mean"] == pytest.approx(3.5)
@@ -81,48 +78,35 @@ def test_imbalance_columns():
     assert columns["maxvio"] == pytest.approx(1.0)
     assert columns["expert_cv"] == pytest.approx(np.std([2, 2, 4, 0]) / 2)
     assert all(np.isnan(v) for v in imbalance_columns(np.zeros(4)).values())
+    assert imbalance_columns(None) == {"expert_max_mean": None, "maxvio": None, "expert_cv": None}
 
 
 def test_bad_jobs_are_usage_errors():
     comm = SimpleNamespace(rank=0, world_size=2)
+
+    def run(jobs, opts=None):
+        run_jobs(comm, jobs, opts or RunOptions("gloo"), MockBackend)  # checked before any collective
+
     with pytest.raises(UsageError, match="routed for 4 ranks"):
-        run_jobs(comm, [moe_job(SMALL, 4, 8)], RunOptions("gloo"))
-    with pytest.raises(UsageError, match="unknown kind"):
-        run_jobs(comm, [Job("x", "dense")], RunOptions("gloo"))
+        run([moe_job(SMALL, 4, 8)])
     with pytest.raises(UsageError, match="at least one size"):
-        run_jobs(comm, [Job("balanced", "balanced")], RunOptions("gloo"))
+        run([BalancedJob("balanced")])
     with pytest.raises(UsageError, match="smaller than the world size"):
-        run_jobs(comm, [Job("balanced", "balanced", sizes=[64, 1])], RunOptions("gloo"))
+        run([BalancedJob("balanced", [64, 1])])
     with pytest.raises(UsageError, match="too small"):
-        run_jobs(
-            comm,
-            [moe_job(ModelConfig(name="tiny", hidden=2, num_experts=4, topk=1), 2, 8)],
-            RunOptions("gloo"),
-        )
+        run([moe_job(ModelConfig(name="tiny", hidden=2, num_experts=4, topk=1), 2, 8)])
     with pytest.raises(UsageError, match="iters"):
-        run_jobs(comm, [Job("balanced", "balanced", sizes=[64], iters=0)], RunOptions("gloo"))
+        run([BalancedJob("balanced", [64], iters=0)])
+    with pytest.raises(UsageError, match="unknown send mode"):
+        run([replace(moe_job(SMALL, 2, 8), send_mode="expert")])
     with pytest.raises(UsageError, match="corrupt"):
-        run_jobs(comm, [], RunOptions("gloo", corrupt="both"))
-    with pytest.raises(UsageError, match="unknown backend"):
-        run_jobs(comm, [], RunOptions("carrier-pigeon"))
+        run([], RunOptions("gloo", corrupt="both"))
     with pytest.raises(UsageError, match="not a multiple of --ranks-per-host"):
-        run_jobs(comm, [], RunOptions("gloo", ranks_per_domain=3, ranks_per_host=2))
+        run([], RunOptions("gloo", ranks_per_domain=3, ranks_per_host=2))
 
 
-def test_skew_cost_columns():
-    # 2x slower than a balanced pattern carrying the same bytes: half the bandwidth.
-    assert skew_cost_columns(200.0, 1000, 100.0, 1000) == {"skew_cost": 2.0, "skew_bw_loss_pct": 50.0}
-    # The balanced reference carries 1% fewer bytes (rounding): its bandwidth is 0.99 x 1000 / 100.
-    cols = skew_cost_columns(100.0, 1000, 100.0, 990)
-    assert cols["skew_cost"] == 1.0 and cols["skew_bw_loss_pct"] == pytest.approx(100 * (1 - 1 / 0.99))
-    assert all(np.isnan(v) for v in skew_cost_columns(100.0, 1000, 0.0, 0).values())
-
-
-def test_knob_settings_build_one_backend_each_and_label_rows(monkeypatch: pytest.MonkeyPatch):
+def test_knob_settings_build_one_backend_each_and_label_rows():
     import threading
-
-    import commbench.run.harness
-    from commbench.backends.mock import MockBackend, run_threads
 
     events: list[tuple[int, str, float]] = []
     lock = threading.Lock()
@@ -138,21 +122,21 @@ def test_knob_settings_build_one_backend_each_and_label_rows(monkeypatch: pytest
                 events.append((self.comm.rank, "close", self.options["link_GBps"]))
             super().close()
 
-    monkeypatch.setattr(commbench.run.harness, "get_backend", lambda name: Recording)
     job = moe_job(SMALL, 2, 16)
-    balanced = Job("balanced", "balanced", sizes=[64], warmup=0, iters=1)
+    balanced = BalancedJob("balanced", [64], warmup=0, iters=1)
     # Two jobs per setting (setting outermost, as the CLI expands a sweep), the run's options underneath.
     jobs = [replace(j, backend_options={"link_GBps": gbps}) for gbps in (50, 200) for j in (job, balanced)]
     opts = RunOptions("mock", backend_options={"latency_us": 2})
-    rows, rank_rows = run_threads(2, lambda comm: run_jobs(comm, jobs, opts))
+    rows, rank_rows = run_threads(2, lambda comm: run_jobs(comm, jobs, opts, Recording))
     for rank in (0, 1):  # one backend per setting, the first closed before the second is built
         mine = [(what, gbps) for r, what, gbps in events if r == rank]
         assert mine == [("build", 50), ("close", 50), ("build", 200), ("close", 200)]
     assert [r["mock_link_GBps"] for r in rows] == [50, 50, 50, 200, 200, 200]
     assert all(r["mock_latency_us"] == 2 for r in rows)
-    # The knobs cell: the backend's knobs (mock reports link_GBps as mock_link_GBps).
-    assert rows[0]["knobs"] == "mock_link_GBps=50.0 mock_latency_us=2.0"
-    assert {r["knobs"] for r in rank_rows} == {rows[0]["knobs"], rows[-1]["knobs"]}
+    # The knobs cell, as data: the backend's knobs (mock reports link_GBps as mock_link_GBps).
+    assert rows[0]["knobs"] == {"mock_link_GBps": 50.0, "mock_latency_us": 2.0}
+    assert rows[-1]["knobs"] == {"mock_link_GBps": 200.0, "mock_latency_us": 2.0}
+    assert all(r["knobs"] in (rows[0]["knobs"], rows[-1]["knobs"]) for r in rank_rows)
     # Emulated times follow the setting: 4x the bandwidth, less time for the same bytes.
     assert rows[3]["time_us_p50"] < rows[0]["time_us_p50"]
     assert job_backend_options(jobs[0], opts) == {"latency_us": 2, "link_GBps": 50}
@@ -161,12 +145,45 @@ def test_knob_settings_build_one_backend_each_and_label_rows(monkeypatch: pytest
 
 def test_row_knobs_add_the_settings_options_the_backend_does_not_report():
     backend = SimpleNamespace(name="emu", knobs=lambda: {"chunk_rows": 36, "emu_depth": 2, "signal": "chunk"})
-    job = Job("x", "balanced", sizes=[64], backend_options={"chunk_bytes": 4096, "chunk_rows": 8, "depth": 3})
+    job = BalancedJob("x", [64], backend_options={"chunk_bytes": 4096, "chunk_rows": 8, "depth": 3})
     # Effective values win (chunk_rows), "emu_depth" stands for depth; chunk_bytes is not reported: added.
     knobs = row_knobs(backend, job)
     assert knobs == {"chunk_rows": 36, "emu_depth": 2, "signal": "chunk", "chunk_bytes": 4096}
     assert knobs_text(knobs) == "chunk_rows=36 emu_depth=2 signal=chunk chunk_bytes=4096"
-    assert row_knobs(backend, Job("x", "balanced")) == backend.knobs()
+    assert row_knobs(backend, BalancedJob("x")) == backend.knobs()
+
+
+class MovedBytes(TorchDistBackend):
+    """nccl/gloo all-to-all that records what it moved, per plan it was set up with (a list per process, so
+    per rank): bytes received from each source in dispatch, bytes sent back to each source in combine."""
+
+    moved: ClassVar[list[dict[str, list[int]]]] = []
+
+    def setup(self, plan):
+        super().setup(plan)
+        MovedBytes.moved.append({})
+
+    def dispatch(self, tokens, plan, recv_counts):
+        received = super().dispatch(tokens, plan, recv_counts)
+        rows = recv_counts.sum(dim=1).cpu()
+        assert int(rows.sum()) == received.shape[0]
+        MovedBytes.moved[-1]["dispatch_recv"] = (rows * received.shape[1]).tolist()
+        return received
+
+    def combine(self, expert_out, plan, recv_counts):
+        rows = recv_counts.sum(dim=1).cpu()
+        assert int(rows.sum()) == expert_out.shape[0]
+        MovedBytes.moved[-1]["combine_sent"] = (
+            rows * expert_out.shape[1] * expert_out.element_size()
+        ).tolist()
+        return super().combine(expert_out, plan, recv_counts)
+
+
+def moved_matrices(moved, setup):
+    """[src][dst] bytes of the ``setup``-th plan every rank set up, as the backend moved them."""
+    dispatch = np.array([rank[setup]["dispatch_recv"] for rank in moved]).T  # rank dst received from src
+    combine = np.array([rank[setup]["combine_sent"] for rank in moved])  # expert side src sent to owner dst
+    return dispatch, combine
 
 
 def written_sink(written):
@@ -176,22 +193,20 @@ def written_sink(written):
 def collecting_entry(comm, jobs, opts, corrupt_job=None):
     """Run ``jobs``; then, with ``corrupt_job``, check the corruption hook of each phase (caught here)."""
     calls = []
-    rows, rank_rows = run_jobs(comm, jobs, opts, sink=lambda r, rr: calls.append((list(r), list(rr))))
+    sink = lambda r, rr: calls.append((list(r), list(rr)))  # noqa: E731
+    rows, rank_rows = run_jobs(comm, jobs, opts, MovedBytes, sink=sink)
+    moved = comm.all_gather_object(MovedBytes.moved)
     if comm.rank != 0:
         assert rows == [] and rank_rows == [] and calls == []
     detected = {}
     for phase in ("combine", "dispatch") if corrupt_job else ():
         written: list[dict] = []
         try:
-            run_jobs(
-                comm,
-                [corrupt_job, corrupt_job],
-                RunOptions("gloo", corrupt=phase),
-                sink=written_sink(written),
-            )
+            corrupting = RunOptions(opts.backend, corrupt=phase)
+            run_jobs(comm, [corrupt_job, corrupt_job], corrupting, MovedBytes, sink=written_sink(written))
         except VerificationError as exc:  # raised on every rank, after the job's rows were written
             detected[phase] = (str(exc), [(r["phase"], r["wrong"]) for r in written])
-    return rows, rank_rows, calls, detected
+    return rows, rank_rows, calls, detected, moved
 
 
 def check_against_pattern(rows, rank_rows, job, world):
@@ -199,7 +214,7 @@ def check_against_pattern(rows, rank_rows, job, world):
     pattern = build_pattern(job.routing, job.send_mode)
     for phase, matrix in (("dispatch", pattern.dispatch_bytes), ("combine", pattern.combine_bytes)):
         (row,) = [r for r in rows if r["pattern"] == job.name and r["phase"] == phase]
-        expected = _byte_columns(np.asarray(matrix))
+        expected = byte_columns(np.asarray(matrix))
         assert {k: row[k] for k in BYTE_KEYS} == expected, phase
         ranks = sorted(
             (r for r in rank_rows if r["pattern"] == job.name and r["phase"] == phase),
@@ -219,11 +234,11 @@ def check_common(rows, imbalance_cost=False):
     for row in rows:
         extra = IMBALANCE_KEYS if imbalance_cost and row["phase"] != "alltoall" else set()
         assert set(row) == RESULT_KEYS | extra
-        assert row["wrong"] == 0, row
+        assert row["wrong"] == 0 and row["check"] == "checksum", row
         assert row["backend"] == row["backend_name"] == "gloo" and row["emulated"] is False
         assert 0 < row["time_us_min"] <= row["time_us_p50"] <= row["time_us_p99"]
         assert row["link_bytes"] == row["total_bytes"] - row["self_bytes"]
-        assert row["knobs"] == ""  # gloo has no knobs
+        assert row["knobs"] == {}  # gloo has no knobs
 
 
 def test_gloo_world2_moe_and_balanced_verified_and_match_patterns_and_corruption_detected():
@@ -232,10 +247,10 @@ def test_gloo_world2_moe_and_balanced_verified_and_match_patterns_and_corruption
         moe_job(deepseek, 2, 256),
         moe_job(SMALL, 2, 96, skew="zipf:1.5", send_mode="selection", mask_ratio=0.2, name="small-sel"),
         moe_job(SMALL, 2, 64, skew="zipf:1.0", capacity_factor=1.0, name="small-cap"),
-        Job("balanced", "balanced", sizes=[64, 3001, 1 << 16], warmup=1, iters=3),
+        BalancedJob("balanced", [64, 3001, 1 << 16], warmup=1, iters=3),
     ]
     corrupt_job = moe_job(SMALL, 2, 32, name="corrupted")
-    rows, rank_rows, calls, detected = launch(
+    rows, rank_rows, calls, detected, _ = launch(
         2, collecting_entry, (jobs, RunOptions("gloo"), corrupt_job), backend="gloo", timeout_s=60
     )
     check_common(rows)
@@ -306,8 +321,7 @@ def check_link_classes(rows, rank_rows, job):
         assert [r["scaleout_recv_bytes"] for r in ranks] == scaleout_recv
         for r in ranks:
             assert r["link_sent_bytes"] == r["nvlink_sent_bytes"] + r["scaleout_sent_bytes"]
-            expected_GBps = r["scaleout_sent_bytes"] / (row["time_us_p50"] * 1e3)
-            assert r["scaleout_send_GBps"] == pytest.approx(expected_GBps)
+            assert r["phase_time_us_p50"] == row["time_us_p50"] and r["time_us_p50"] > 0
         # Imbalance cost: the same phase on a balanced layout of exactly the same rows (each pair total /
         # world^2 rows, remainder one row per pair), timed right after and verified (wrong == 0 above).
         world = 4
@@ -315,23 +329,51 @@ def check_link_classes(rows, rank_rows, job):
         assert row["balanced_total_bytes"] == m.sum() == pair_bytes.sum()
         assert row["balanced_size_bytes"] == max(pair_bytes.sum(axis=0).max(), pair_bytes.sum(axis=1).max())
         assert row["balanced_size_bytes"] <= row["size_bytes"]  # skew never makes the busiest rank lighter
-        assert row["balanced_time_us_p50"] > 0 and row["skew_cost"] > 0
-        assert row["skew_cost"] == pytest.approx(row["time_us_p50"] / row["balanced_time_us_p50"])
-        assert row["skew_bw_loss_pct"] == pytest.approx(100 * (1 - 1 / row["skew_cost"]))
+        assert row["balanced_time_us_p50"] > 0
 
 
-def test_gloo_world4_two_domains_link_classes_and_imbalance_cost():
+def printed_pattern(*args):
+    """The byte matrices ``commbench pattern --json`` prints."""
+    command = [sys.executable, "-m", "commbench", "pattern", *args, "--json"]
+    printed = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout)
+    return np.array(printed["dispatch_bytes"]), np.array(printed["combine_bytes"])
+
+
+def test_gloo_world4_moves_the_printed_pattern_link_classes_and_imbalance_cost():
     jobs = [
-        moe_job(load_model("deepseek-v3"), 4, 64),
+        moe_job(load_model("deepseek-v3"), 4, 64, skew="zipf:1.2"),
         moe_job(SMALL, 4, 64, skew="zipf:1.2", send_mode="selection"),
     ]
     opts = RunOptions("gloo", ranks_per_domain=2, imbalance_cost=True)
-    rows, rank_rows, calls, _ = launch(4, collecting_entry, (jobs, opts), backend="gloo", timeout_s=60)
+    rows, rank_rows, calls, _, moved = launch(4, collecting_entry, (jobs, opts), backend="gloo", timeout_s=60)
     check_common(rows, imbalance_cost=True)
     assert len(rows) == 4 and len(rank_rows) == 16 and len(calls) == 4
     for job in jobs:
         check_against_pattern(rows, rank_rows, job, 4)
         check_link_classes(rows, rank_rows, job)
+    # The pattern printed is the pattern run: what the backend moved (per plan set up: job 1, its balanced
+    # reference, job 2, its reference) is what `commbench pattern --json` prints and what the rows say.
+    printed = printed_pattern(
+        "--model", "deepseek-v3", "--world-size", "4", "--tokens", "64", "--skew", "zipf:1.2"
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(moved_matrices(moved, 0), printed, strict=True))
+    small = build_pattern(jobs[1].routing, "selection")
+    assert np.array_equal(moved_matrices(moved, 2)[0], small.dispatch_bytes)
+    assert np.array_equal(moved_matrices(moved, 2)[1], small.combine_bytes)
+    for setup, job in ((0, jobs[0]), (2, jobs[1])):
+        for phase, matrix in zip(("dispatch", "combine"), moved_matrices(moved, setup), strict=True):
+            (row,) = [r for r in rows if r["pattern"] == job.name and r["phase"] == phase]
+            assert {k: row[k] for k in BYTE_KEYS} == byte_columns(matrix)
+            ranks = sorted(
+                (r for r in rank_rows if r["pattern"] == job.name and r["phase"] == phase),
+                key=lambda r: r["rank"],
+            )
+            assert [r["sent_bytes"] for r in ranks] == matrix.sum(axis=1).tolist()
+            assert [r["recv_bytes"] for r in ranks] == matrix.sum(axis=0).tolist()
+        for phase, matrix in zip(("dispatch", "combine"), moved_matrices(moved, setup + 1), strict=True):
+            (row,) = [r for r in rows if r["pattern"] == job.name and r["phase"] == phase]
+            assert row["balanced_total_bytes"] == matrix.sum() == row["total_bytes"]
+            assert row["balanced_size_bytes"] == byte_columns(matrix)["size_bytes"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
@@ -340,9 +382,9 @@ def test_nccl_moe_and_balanced_verified_on_gpus():
     jobs = [
         moe_job(load_model("deepseek-v3"), world, 1024),
         moe_job(SMALL, world, 256, skew="zipf:1.2", send_mode="selection"),
-        Job("balanced", "balanced", sizes=[1 << 10, 1 << 24], warmup=2, iters=5),
+        BalancedJob("balanced", [1 << 10, 1 << 24], warmup=2, iters=5),
     ]
-    rows, rank_rows, _, _ = launch(
+    rows, rank_rows, _, _, _ = launch(
         world, collecting_entry, (jobs, RunOptions("nccl")), backend="nccl", timeout_s=120
     )
     assert [r["wrong"] for r in rows] == [0] * 6

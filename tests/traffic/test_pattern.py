@@ -10,12 +10,11 @@ from commbench.inputs.skew import parse_skew
 from commbench.traffic.pattern import (
     balanced_pattern,
     build_pattern,
-    pattern_from_traffic,
+    destination_hits,
     pattern_to_json,
-    rank_expert_load,
-    rank_traffic,
+    rank_counts,
 )
-from commbench.traffic.routing import RoutingConfig, expert_rank, route_rank
+from commbench.traffic.routing import Routing, RoutingConfig, expert_rank, route_rank
 
 DEEPSEEK = load_model("deepseek-v3")
 QWEN = load_model("qwen3-30b-a3b")
@@ -40,7 +39,8 @@ def token_pattern(masked_cfg):
 def test_rows_match_route_rank(masked_cfg, token_pattern):
     for rank in range(masked_cfg.world_size):
         routing = route_rank(masked_cfg, rank)
-        tokens_row, selections_row = rank_traffic(routing, DEEPSEEK, masked_cfg.world_size)
+        counts = rank_counts(routing, DEEPSEEK.num_experts, masked_cfg.world_size)
+        tokens_row, selections_row = counts.tokens, counts.selections
         assert np.array_equal(token_pattern.dispatch_tokens[rank], tokens_row)
         assert np.array_equal(token_pattern.dispatch_selections[rank], selections_row)
         kept = routing.topk_ids >= 0
@@ -90,7 +90,7 @@ def test_unknown_send_mode():
 
 def test_expert_load_and_stats(masked_cfg, token_pattern):
     stats, load = token_pattern.stats, token_pattern.expert_load
-    expected_load = sum(rank_expert_load(route_rank(masked_cfg, rank), 256) for rank in range(8))
+    expected_load = sum(rank_counts(route_rank(masked_cfg, rank), 256, 8).expert_load for rank in range(8))
     assert np.array_equal(load, expected_load)
     mean = load.mean()
     assert stats["expert_load_max"] == load.max() and stats["expert_load_mean"] == pytest.approx(mean)
@@ -120,14 +120,17 @@ def test_rank_imbalance_stats():
     assert stats["hot_experts"] == list(range(16 * stats["hot_rank"], 16 * stats["hot_rank"] + 16))
 
 
-def test_pattern_from_gathered_rows_is_identical(masked_cfg, token_pattern):
-    rows = [rank_traffic(route_rank(masked_cfg, rank), DEEPSEEK, 8) for rank in range(8)]
-    load = sum(rank_expert_load(route_rank(masked_cfg, rank), 256) for rank in range(8))
-    rebuilt = pattern_from_traffic(
-        masked_cfg, "token", np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows]), load
-    )
-    assert np.array_equal(rebuilt.dispatch_bytes, token_pattern.dispatch_bytes)
-    assert rebuilt.stats == token_pattern.stats
+def test_destination_hits_with_any_placement_and_send_counts():
+    ids = np.array([[0, 3, -1], [4, 1, 2], [-1, -1, -1]])
+    owner = np.array([0, 0, 0, 1, 2])  # uneven: 3 experts on rank 0, one each on ranks 1 and 2
+    assert destination_hits(ids, owner, 3).tolist() == [[1, 1, 0], [2, 0, 1], [0, 0, 0]]
+    # Contiguous placement (2 experts per rank): the rows a plan sends, per destination and per slot.
+    routing = Routing(rank=0, topk_ids=torch.tensor([[0, 3], [1, 2], [3, -1]]), topk_weights=torch.ones(3, 2))
+    counts = rank_counts(routing, num_experts=4, world_size=2)
+    assert counts.tokens.tolist() == [2, 3] and counts.selections.tolist() == [2, 3]
+    assert counts.expert_load.tolist() == [1, 1, 1, 2]
+    assert counts.send_counts("token").tolist() == [[2], [3]]
+    assert counts.send_counts("selection").tolist() == [[1, 1], [1, 2]]
 
 
 def test_balanced_pattern():

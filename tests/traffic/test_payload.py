@@ -7,6 +7,8 @@ from commbench.inputs.models import ModelConfig
 from commbench.traffic.payload import (
     COMBINE_ATOL,
     COMBINE_RTOL,
+    CombineCheck,
+    RowCheck,
     count_wrong_combine,
     count_wrong_rows,
     decode_header,
@@ -14,7 +16,9 @@ from commbench.traffic.payload import (
     expected_combine,
     expected_rows,
     expert_outputs,
+    poison_,
     received_keys,
+    row_checksums,
 )
 from commbench.traffic.plan import plan_balanced, plan_rank, receive_offsets, row_matrix
 from commbench.traffic.routing import Routing
@@ -174,3 +178,46 @@ def test_expert_outputs_differ_for_tokens_a_period_apart():
     first_columns = rows[:, 0]
     assert not torch.equal(rows[:255], rows[255:510])
     assert first_columns.unique().numel() > 200  # spread over the 255 row offsets
+
+
+def test_poisoned_buffers_hold_no_valid_row_and_nan_floats():
+    rows = poison_(encode_rows(3, torch.arange(5), 40))
+    src, token = decode_header(rows)
+    assert (src == -1).all() and (token == -1).all()  # no real (source, token) is negative
+    assert torch.isnan(poison_(torch.zeros(4, 3, dtype=torch.bfloat16))).all()
+    assert torch.isnan(poison_(torch.zeros(2, 5))).all()
+
+
+@pytest.mark.parametrize("row_bytes", [3, 8, 13, 40, 7392])
+def test_row_checksum_changes_with_any_byte_and_counts_whole_rows(row_bytes):
+    expected = encode_rows(2, torch.arange(6), row_bytes)
+    check = RowCheck(expected)
+    assert check.checksum(expected.clone()) == 0
+    for position in range(0, expected.numel(), max(1, expected.numel() // 97)):
+        received = expected.clone()
+        received.view(-1)[position] ^= 1 << (position % 8)
+        assert check.checksum(received) == row_bytes  # the row whose checksum differs, all its bytes
+        assert check.full(received) == 1
+    stale = poison_(expected.clone())
+    assert check.checksum(stale) == expected.numel()
+    assert check.checksum(expected[:4].clone()) == 2 * row_bytes  # missing rows count all their bytes
+    # A view at an unaligned offset (a receive buffer's second half) gives the same checksums.
+    buffer = torch.cat([torch.zeros(1, row_bytes, dtype=torch.uint8), expected]).view(-1)[row_bytes:]
+    assert torch.equal(row_checksums(buffer.view(6, row_bytes)), row_checksums(expected))
+
+
+def test_combine_check_is_the_float64_criterion():
+    generator = torch.Generator().manual_seed(1)
+    reference = torch.randn(64, 96, dtype=torch.float64, generator=generator)
+    tolerance = reference.abs() * 3 * COMBINE_RTOL + COMBINE_ATOL
+    check = CombineCheck(reference, tolerance)
+    for spread in (0.1, 0.9, 1.0, 1.1, 3.0):  # errors around the tolerance, rounded to float32
+        noise = torch.randn(reference.shape, dtype=torch.float64, generator=generator)
+        out = (reference + noise * tolerance * spread).to(torch.float32)
+        exact = int(((out.to(torch.float64) - reference).abs() > tolerance).sum())
+        assert (
+            check.full(out) == check.checksum(out) == exact == count_wrong_combine(out, reference, tolerance)
+        )
+    at_edge = (reference + tolerance).to(torch.float32)
+    assert check.full(at_edge) == int(((at_edge.to(torch.float64) - reference).abs() > tolerance).sum())
+    assert check.full(poison_(reference.to(torch.float32))) == reference.numel()  # NaN is wrong

@@ -14,7 +14,6 @@ from commbench.inputs.models import ModelConfig, load_model
 from commbench.inputs.skew import parse_skew
 from commbench.traffic.routing import (
     RoutingConfig,
-    _select_from_groups,
     expert_popularity,
     expert_rank,
     experts_per_rank,
@@ -133,6 +132,20 @@ def test_group_limit_is_binding_and_held():
     assert int(group_span(route_rank(config(model=unlimited, tokens=4096), 0).topk_ids, 32).max()) > 4
 
 
+def select_from_groups(times: torch.Tensor, payload: torch.Tensor, model: ModelConfig):
+    """Reference group-limited top-k on full candidate arrival times [rows, groups, c] (each group's
+    candidates must hold its k earliest arrivals): groups scored by the sum of their top k // topk_group
+    affinities, the best topk_group kept, then the k earliest. Returns (times [rows, k] ascending, ids)."""
+    rows, groups, width = times.shape
+    if model.group_limited:
+        per_score = max(1, model.topk // model.topk_group)
+        scores = torch.exp(-times.topk(per_score, dim=2, largest=False).values).sum(-1)
+        kept = scores.topk(model.topk_group, dim=1).indices.unsqueeze(2).expand(-1, -1, width)
+        times, payload = times.gather(1, kept), payload.gather(1, kept)
+    best_times, position = times.reshape(rows, -1).topk(model.topk, dim=1, largest=False)
+    return best_times, payload.reshape(rows, -1).gather(1, position)
+
+
 def test_race_sampler_matches_the_full_score_matrix():
     """The lazy race equals, in distribution, top-k of exp(-X / w) over every expert (with group limit)."""
     cfg = config(skew="zipf:1.2", tokens=20000, seed=5)
@@ -141,7 +154,7 @@ def test_race_sampler_matches_the_full_score_matrix():
     exps = torch.from_numpy(np.random.default_rng(123).standard_exponential((20000, 256)))
     times = (exps / weights).view(20000, 8, 32)
     experts = torch.arange(256).view(1, 8, 32).expand(20000, -1, -1)
-    reference_times, reference = _select_from_groups(times, experts, DEEPSEEK)
+    reference_times, reference = select_from_groups(times, experts, DEEPSEEK)
     ours = torch.bincount(routing.topk_ids.view(-1), minlength=256).double()
     theirs = torch.bincount(reference.reshape(-1), minlength=256).double()
     used = (ours + theirs) > 0
@@ -167,7 +180,7 @@ def test_groups_smaller_than_topk_match_the_full_score_matrix():
     weights = torch.tensor(expert_popularity(cfg).weights)
     exps = torch.from_numpy(np.random.default_rng(9).standard_exponential((20000, 64)))
     experts = torch.arange(64).view(1, 16, 4).expand(20000, -1, -1)
-    _, reference = _select_from_groups((exps / weights).view(20000, 16, 4), experts, SMALL_GROUPS)
+    _, reference = select_from_groups((exps / weights).view(20000, 16, 4), experts, SMALL_GROUPS)
     ours_load = torch.bincount(ours.view(-1), minlength=64).double()
     theirs = torch.bincount(reference.reshape(-1), minlength=64).double()
     used = (ours_load + theirs) > 0

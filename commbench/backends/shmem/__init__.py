@@ -1,1 +1,1 @@
-"""backends/shmem"""
+"""One-sided (NVSHMEM-style) backends: the put/signal protocol, its CPU emulator, the GPU NVSHMEM backend."""

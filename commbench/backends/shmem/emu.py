@@ -9,7 +9,7 @@ rank after a barrier and unlinked as soon as all have mapped it (nothing is left
 
 Operations (one process = one PE; every item is issued by its source, as a GPU thread block would):
 
-* ``put``: copy rows into a peer's region.
+* ``put``: copy rows into a peer's receive buffer (``SharedHeap.put``).
 * ``put-with-signal``: put, then ``fence``, then the signal word store, so a receiver that sees the signal
   sees the payload. Every signal word has a single writer (the word belongs to one source), so ADD is a
   plain read-modify-write by that writer and 8-byte aligned stores are atomic on the hosts we run on.
@@ -17,6 +17,10 @@ Operations (one process = one PE; every item is issued by its source, as a GPU t
   a full barrier on x86-64 and AArch64); puts are synchronous copies, so quiet is a fence.
 * ``signal wait``: poll the receiver's own words until each reaches its expected value (``CMP_GE``), with
   the communicator's timeout; a timeout raises CommError naming the sources that never signalled.
+
+Before each timed iteration the harness poisons this rank's receive buffers, both sides of each phase's
+double buffer (``poison_receive_buffers``), so puts that are lost while their signals arrive leave the
+sentinel, not the previous iteration's rows.
 """
 
 from __future__ import annotations
@@ -28,24 +32,21 @@ import socket
 import tempfile
 import threading
 import time
-import uuid
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from commbench.backends.base import Backend, CombineReduction
+from commbench.backends.base import CombineReduction
+from commbench.backends.options import BackendOption, DeclaredOptions, put_signal_options
 from commbench.backends.shmem import protocol as proto
 from commbench.errors import CommError, UsageError
+from commbench.run.interface import Backend
+from commbench.run.liveness import scratch_name
+from commbench.traffic.payload import POISON_BYTE
 from commbench.traffic.plan import RankPlan
 
-OPTION_DEFAULTS: dict[str, Any] = {
-    "chunk_rows": None,  # rows per put-with-signal (chunk granularity); default from chunk_bytes
-    "chunk_bytes": 64 * 1024,
-    "signal": "chunk",  # "chunk" | "segment"
-    "signal_op": "add",  # "add" | "set"
-}
 _FENCE_LOCK = threading.Lock()
 _POLL_MIN_S = 20e-6
 _POLL_MAX_S = 2e-3
@@ -99,6 +100,11 @@ class SharedHeap:
         dtype = np.int64 if region.dtype == torch.int64 else np.uint8
         return raw.view(dtype).reshape(region.shape)
 
+    def put(self, pe: int, region: proto.Region, side: int, first_row: int, rows: np.ndarray) -> None:
+        """Copy ``rows`` into side ``side`` of PE ``pe``'s double-buffered ``region``, from row
+        ``first_row`` on (the payload half of a put-with-signal)."""
+        self.view(pe, region)[side, first_row : first_row + rows.shape[0]] = rows
+
     def close(self) -> None:
         self.bytes = np.empty(0, dtype=np.uint8)
         # A caller may still hold a returned view: then the mapping goes when that is collected.
@@ -106,25 +112,17 @@ class SharedHeap:
             self._map.close()
 
 
-class ShmemEmuBackend(Backend):
+class ShmemEmuBackend(DeclaredOptions, Backend):
     name = "shmem-emu"
     emulated = True
 
-    @classmethod
-    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        """The settings of ``options``; UsageError on a bad key or value (the CLI checks before launching)."""
-        settings = proto.parse_backend_options(cls.name, options, OPTION_DEFAULTS)
-        settings["signal"] = proto.choice_option(settings, "signal", proto.GRANULARITIES)
-        settings["signal_op"] = proto.choice_option(settings, "signal_op", tuple(proto.SIGNAL_OPS))
-        for key in ("chunk_rows", "chunk_bytes"):
-            proto.int_option(settings, key, 1)
-        return settings
+    OPTIONS: ClassVar[tuple[BackendOption, ...]] = put_signal_options(default_chunk_bytes=64 * 1024)
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
         self.settings = self.check_options(self.options)
-        self.chunk_rows = proto.int_option(self.settings, "chunk_rows", 1)
-        self.chunk_bytes = proto.int_option(self.settings, "chunk_bytes", 1)
+        self.chunk_rows: int | None = self.settings["chunk_rows"]
+        self.chunk_bytes: int = self.settings["chunk_bytes"]
         if comm.device.type != "cpu":
             raise UsageError(
                 f"backend shmem-emu runs on CPU processes, got device {comm.device}; "
@@ -208,7 +206,8 @@ class ShmemEmuBackend(Backend):
             self._heap = None
         assert self._layout is not None
         comm = self.comm
-        name = f"commbench-shmem-emu-{uuid.uuid4().hex}" if comm.rank == 0 else None
+        # Named after the launch: a launcher whose ranks were killed mid-setup removes it (run.liveness).
+        name = scratch_name("shmem-emu") if comm.rank == 0 else None
         path = os.path.join(heap_directory(), comm.all_gather_object(name)[0])
         created = False
         try:
@@ -286,6 +285,12 @@ class ShmemEmuBackend(Backend):
         returned = torch.from_numpy(buffer[: layout.recv_rows]).view(expert_out.dtype)
         return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
 
+    def poison_receive_buffers(self) -> None:
+        # Only this PE's regions: peers poison their own, before the barrier that precedes their puts.
+        if self._heap is not None and self._layout is not None:
+            for phase in proto.PHASES:
+                self._heap.view(self.comm.rank, self._layout[f"{phase}_recv"]).fill(POISON_BYTE)
+
     def synchronize(self) -> None:
         pass  # puts and waits are synchronous
 
@@ -319,8 +324,7 @@ class ShmemEmuBackend(Backend):
         add = layout.signals.op == "add"
         for dst, src_row, dst_row, rows, word in layout.items_table().tolist():
             if rows:
-                target = heap.view(dst, recv_region)[side]
-                target[dst_row : dst_row + rows] = staging[src_row : src_row + rows]
+                heap.put(dst, recv_region, side, dst_row, staging[src_row : src_row + rows])
             fence()  # the payload is visible before the signal
             words = heap.view(dst, signal_region)
             words[word] = words[word] + value if add else value

@@ -31,35 +31,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from commbench.backends.base import Backend, CombineReduction
+from commbench.backends.base import CombineReduction
+from commbench.backends.options import MAX_BLOCKS, WARPS, BackendOption, DeclaredOptions, put_signal_options
 from commbench.backends.shmem import protocol as proto
 from commbench.errors import CommbenchError, CommError, UsageError
+from commbench.run.interface import Backend
+from commbench.traffic.payload import poison_
 from commbench.traffic.plan import RankPlan
 
-OPTION_DEFAULTS: dict[str, Any] = {
-    "variant": "put",  # "put" (this backend's kernels) | "vdev2d" (torch's all_to_all_vdev_2d reference)
-    "num_blocks": 0,  # programs of the put kernel; 0 = one per SM
-    "num_warps": 16,
-    "chunk_rows": None,
-    "chunk_bytes": 128 * 1024,
-    "signal": "chunk",
-    "signal_op": "add",
-    "wait": "spin",  # "spin" (timeout -> CommError) | "nvshmem" (nvshmem_signal_wait_until, no timeout)
-    "put": "nbi",  # "nbi" (nvshmemx_putmem_signal_nbi_block) | "blocking" (nvshmemx_putmem_signal_block)
-}
-CHOICES = {
-    "variant": ("put", "vdev2d"),
-    "wait": ("spin", "nvshmem"),
-    "put": ("nbi", "blocking"),
-    "signal": proto.GRANULARITIES,
-    "signal_op": tuple(proto.SIGNAL_OPS),
-}
 NEEDS = (
     "needs CUDA GPUs and NVSHMEM (a CUDA build of torch with NVSHMEM, Triton and the nvidia-nvshmem wheel)"
 )
@@ -81,7 +66,7 @@ def _error_summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:300]
 
 
-class NvshmemBackend(Backend):
+class NvshmemBackend(DeclaredOptions, Backend):
     name = "nvshmem"
     emulated = False
 
@@ -99,23 +84,34 @@ class NvshmemBackend(Backend):
         if not symm_mem.is_nvshmem_available():
             raise UsageError(f"--backend nvshmem {NEEDS}; this torch build reports no NVSHMEM")
 
-    @classmethod
-    def check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
-        """The settings of ``options``; UsageError on a bad key or value (the CLI checks before launching)."""
-        settings = proto.parse_backend_options(cls.name, options, OPTION_DEFAULTS)
-        for key, allowed in CHOICES.items():
-            settings[key] = proto.choice_option(settings, key, allowed)
-        for key, minimum in (("num_blocks", 0), ("num_warps", 1), ("chunk_rows", 1), ("chunk_bytes", 1)):
-            proto.int_option(settings, key, minimum)
-        return settings
+    OPTIONS: ClassVar[tuple[BackendOption, ...]] = (
+        BackendOption(
+            "variant",
+            str,
+            "put",
+            "put: these kernels; vdev2d: torch's all_to_all_vdev_2d",
+            choices=("put", "vdev2d"),
+        ),
+        BackendOption("num_blocks", int, 0, "programs; 0 = one per SM", minimum=0, maximum=MAX_BLOCKS),
+        BackendOption("num_warps", int, 16, "threads per program / 32", choices=WARPS, minimum=1, maximum=32),
+        *put_signal_options(default_chunk_bytes=128 * 1024),
+        BackendOption(
+            "wait",
+            str,
+            "spin",
+            "spin (timeout -> CommError) or nvshmem (signal_wait_until, no timeout)",
+            choices=("spin", "nvshmem"),
+        ),
+        BackendOption("put", str, "nbi", "nbi or blocking put-with-signal", choices=("nbi", "blocking")),
+    )
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
         self.settings = self.check_options(self.options)
-        self.num_blocks = proto.int_option(self.settings, "num_blocks", 0) or 0
-        self.num_warps = proto.int_option(self.settings, "num_warps", 1) or 16
-        self.chunk_rows = proto.int_option(self.settings, "chunk_rows", 1)
-        self.chunk_bytes = proto.int_option(self.settings, "chunk_bytes", 1)
+        self.num_blocks: int = self.settings["num_blocks"]
+        self.num_warps: int = self.settings["num_warps"]
+        self.chunk_rows: int | None = self.settings["chunk_rows"]
+        self.chunk_bytes: int = self.settings["chunk_bytes"]
         self.variant = self.settings["variant"]
         self.check_available()
         self._bind_device()
@@ -341,6 +337,13 @@ class NvshmemBackend(Backend):
             side = self._run_phase("combine", layout, plan.combine_row_bytes)
             returned = self._views["combine_recv"][side][: layout.recv_rows].view(expert_out.dtype)
         return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
+
+    def poison_receive_buffers(self) -> None:
+        # Both sides of each receive region, and the vdev2d variant's outputs (memsets; the harness syncs).
+        views = [self._views.get(f"{phase}_recv") for phase in proto.PHASES]
+        for buffer in [*views, *(self._vdev.get(key) for key in ("out", "result", "c_out"))]:
+            if buffer is not None:
+                poison_(buffer)
 
     def synchronize(self) -> None:
         self._device_synchronize()

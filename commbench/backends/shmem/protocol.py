@@ -35,7 +35,6 @@ NVSHMEM values (from ``nvshmem.h``, not the numbers in some published examples):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -364,41 +363,6 @@ def expert_major_order(recv_counts: np.ndarray, out_offsets_rows: np.ndarray) ->
     ``out_offsets_rows[e * world + src]``."""
     block, within = expert_major_blocks(recv_counts)
     return np.asarray(out_offsets_rows, dtype=np.int64)[block] + within
-
-
-def parse_backend_options(backend: str, options: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """Defaults overlaid with ``options`` (``--backend-option KEY=VALUE``); unknown keys raise UsageError."""
-    unknown = sorted(set(options) - set(defaults))
-    if unknown:
-        raise UsageError(
-            f"backend {backend} has no option(s) {', '.join(unknown)}; known: {', '.join(sorted(defaults))}"
-        )
-    return {**defaults, **options}
-
-
-def int_option(settings: dict[str, Any], key: str, minimum: int) -> int | None:
-    """``settings[key]`` as an int >= minimum (None stays None); UsageError otherwise."""
-    value = settings[key]
-    if value is None:
-        return None
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise UsageError(
-            f"backend option {key}={value!r} is not an integer; e.g. {key}={max(minimum, 1)}"
-        ) from None
-    if number < minimum:
-        raise UsageError(f"backend option {key}={number} must be >= {minimum}")
-    return number
-
-
-def choice_option(settings: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
-    value = str(settings[key]).lower()
-    if value not in allowed:
-        raise UsageError(
-            f"backend option {key}={settings[key]!r} is unknown; use one of: {', '.join(allowed)}"
-        )
-    return value
 
 
 def phase_signal_configs(

@@ -18,7 +18,8 @@ from commbench.errors import CommError, UsageError, VerificationError
 from commbench.inputs.models import ModelConfig
 from commbench.inputs.skew import parse_skew
 from commbench.run import dist
-from commbench.run.harness import Job, RunOptions, run_jobs
+from commbench.run.harness import run_jobs
+from commbench.run.jobs import BalancedJob, MoeJob, RunOptions
 from commbench.traffic.payload import decode_header, encode_rows, expert_outputs, received_keys
 from commbench.traffic.plan import plan_rank
 from commbench.traffic.routing import RoutingConfig, route_rank
@@ -41,10 +42,9 @@ def routing(world: int, skew: str, tokens: int = 48, seed: int = 1) -> RoutingCo
     )
 
 
-def moe_job(world: int, skew: str, mode: str) -> Job:
-    return Job(
+def moe_job(world: int, skew: str, mode: str) -> MoeJob:
+    return MoeJob(
         name=f"tiny {skew} {mode}",
-        kind="moe",
         routing=routing(world, skew),
         send_mode=mode,
         warmup=1,
@@ -78,14 +78,19 @@ def _world_entry(comm, scenarios: list[tuple[str, str, dict]], corrupt: bool) ->
     report: dict = {"rows": [], "same_rows": [], "same_combine": []}
     for skew, mode, options in scenarios:
         rows, _ = run_jobs(
-            comm, [moe_job(comm.world_size, skew, mode)], RunOptions("shmem-emu", options, TIMEOUT_S)
+            comm,
+            [moe_job(comm.world_size, skew, mode)],
+            RunOptions("shmem-emu", options, TIMEOUT_S),
+            ShmemEmuBackend,
         )
         report["rows"].extend(rows)
         same_rows, same_combine = compare_with_torchdist(comm, routing(comm.world_size, skew), mode, options)
         report["same_rows"].append(same_rows)
         report["same_combine"].append(same_combine)
-    balanced = Job(name="balanced", kind="balanced", sizes=[64, 4096], warmup=1, iters=2)
-    rows, _ = run_jobs(comm, [balanced], RunOptions("shmem-emu", {"chunk_rows": 1}, TIMEOUT_S))
+    balanced = BalancedJob(name="balanced", sizes=[64, 4096], warmup=1, iters=2)
+    rows, _ = run_jobs(
+        comm, [balanced], RunOptions("shmem-emu", {"chunk_rows": 1}, TIMEOUT_S), ShmemEmuBackend
+    )
     report["rows"].extend(rows)
     for phase in ("dispatch", "combine") if corrupt else ():
         try:
@@ -93,6 +98,7 @@ def _world_entry(comm, scenarios: list[tuple[str, str, dict]], corrupt: bool) ->
                 comm,
                 [moe_job(comm.world_size, "uniform", "token")],
                 RunOptions("shmem-emu", {}, TIMEOUT_S, phase),
+                ShmemEmuBackend,
             )
             report[f"corrupt_{phase}"] = "not detected"
         except VerificationError as exc:

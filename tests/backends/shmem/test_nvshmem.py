@@ -61,16 +61,18 @@ def test_cli_backend_nvshmem_on_cpu_is_one_line_exit_2() -> None:
 
 
 def _one_pe_entry(comm, options: dict, send_mode: str) -> list[dict]:
+    from commbench.backends.shmem.nvshmem import NvshmemBackend
     from commbench.inputs.models import ModelConfig
     from commbench.inputs.skew import parse_skew
-    from commbench.run.harness import Job, RunOptions, run_jobs
+    from commbench.run.harness import run_jobs
+    from commbench.run.jobs import MoeJob, RunOptions
     from commbench.traffic.routing import RoutingConfig
 
     # 16 experts: torch's all_to_all_vdev_2d (variant=vdev2d) takes at most 16 per rank.
     model = ModelConfig(name="small", hidden=1024, num_experts=16, topk=4, dispatch_dtype="fp8")
     cfg = RoutingConfig(model=model, skew=parse_skew("zipf:1.2"), world_size=1, tokens_per_rank=512, seed=2)
-    job = Job(name="small", kind="moe", routing=cfg, send_mode=send_mode, warmup=2, iters=3)
-    rows, _ = run_jobs(comm, [job], RunOptions("nvshmem", options, timeout_s=30.0))
+    job = MoeJob(name="small", routing=cfg, send_mode=send_mode, warmup=2, iters=3)
+    rows, _ = run_jobs(comm, [job], RunOptions("nvshmem", options, timeout_s=30.0), NvshmemBackend)
     return rows
 
 

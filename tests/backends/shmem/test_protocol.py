@@ -231,18 +231,3 @@ def test_expert_major_order_recovers_source_order() -> None:
         expert_major.append(-1)  # padding between experts, as major_align adds
     order = proto.expert_major_order(recv, starts)
     np.testing.assert_array_equal(np.asarray(expert_major)[order], source_order)
-
-
-def test_option_helpers() -> None:
-    merged = proto.parse_backend_options("x", {"a": 3}, {"a": 1, "b": "y"})
-    assert merged == {"a": 3, "b": "y"}
-    with pytest.raises(UsageError, match="no option"):
-        proto.parse_backend_options("x", {"c": 1}, {"a": 1})
-    assert proto.int_option({"k": "12"}, "k", 1) == 12
-    with pytest.raises(UsageError):
-        proto.int_option({"k": "many"}, "k", 1)
-    with pytest.raises(UsageError):
-        proto.int_option({"k": 0}, "k", 1)
-    assert proto.choice_option({"k": "ADD"}, "k", ("add", "set")) == "add"
-    with pytest.raises(UsageError):
-        proto.choice_option({"k": "mul"}, "k", ("add", "set"))

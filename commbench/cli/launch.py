@@ -1,0 +1,385 @@
+"""One launch for ``run`` and ``suite``: everything a launch needs is checked in the parent (spec, layout
+overrides, backend, its options, report folder), then every rank runs the jobs and rank 0 writes the report
+as phases finish, prints a progress line per phase and the results table.
+
+Every call into the harness (``commbench.run``) and the report (``commbench.report``) for a launch is here.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+
+import commbench
+from commbench.cli.options import DEFAULT_ITERS, DEFAULT_WARMUP, QUICK_ITERS, QUICK_WARMUP
+from commbench.errors import StoppedError
+
+if TYPE_CHECKING:
+    from commbench.backends.options import OptionSweep
+    from commbench.inputs.specs import SystemSpec
+    from commbench.report import OutDirClaim
+    from commbench.run.jobs import Job, RunOptions
+    from commbench.traffic.routing import RoutingConfig
+
+DEFAULT_REPORTS_DIR = "reports"
+_DEFAULT_OUT_TRIES = 100  # runs starting in the same second each take the next -N suffix
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Where and how the jobs of ``run`` or ``suite`` run: their shared options (``cli.options``), with the
+    world size and the defaults resolved."""
+
+    world_size: int
+    backend: str  # as requested: auto, nccl, gloo, ...
+    warmup: int
+    iters: int
+    timeout_s: float
+    out: str | None
+    spec_text: str
+    ranks_per_domain: int | None
+    ranks_per_host: int | None
+    imbalance_cost: bool
+    check_mode: str  # --check: how the timed iterations are verified (RunOptions.check_mode)
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any], quick: bool = False) -> LaunchSettings:
+        """Takes (pops) the shared options out of a command's click parameters; UsageError without a world
+        size outside torchrun, or one that differs from torchrun's."""
+        from commbench.inputs.specs import DEFAULT_SPEC_NAME
+        from commbench.run.dist import resolve_world_size
+
+        values = {field.name: params.pop(field.name) for field in fields(cls)}
+        values["world_size"] = resolve_world_size(values["world_size"])
+        values["spec_text"] = values["spec_text"] or DEFAULT_SPEC_NAME
+        if values["warmup"] is None:
+            values["warmup"] = QUICK_WARMUP if quick else DEFAULT_WARMUP
+        if values["iters"] is None:
+            values["iters"] = QUICK_ITERS if quick else DEFAULT_ITERS
+        return cls(**values)
+
+
+def moe_job(cfg: RoutingConfig, send_mode: str, settings: LaunchSettings) -> Job:
+    """An MoE case: dispatch and combine of ``cfg``'s routing."""
+    from commbench.run.jobs import MoeJob
+
+    return MoeJob(cfg.model.name, cfg, send_mode, warmup=settings.warmup, iters=settings.iters)
+
+
+def balanced_job(sizes: list[int], settings: LaunchSettings) -> Job:
+    """A balanced all-to-all size sweep (nccl-tests alltoall)."""
+    from commbench.run.jobs import BalancedJob
+
+    return BalancedJob("balanced", sizes, warmup=settings.warmup, iters=settings.iters)
+
+
+def _phases(job: Job) -> int:
+    """Result rows a job writes (progress steps): one per size, or dispatch + combine."""
+    return len(job.sizes) if job.kind == "balanced" else 2
+
+
+def default_out_dir(base: str | os.PathLike[str] = DEFAULT_REPORTS_DIR) -> Path:
+    """reports/<UTC timestamp>/, with a -2, -3, ... suffix if that folder already exists."""
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    candidate = Path(base) / stamp
+    suffix = 2
+    while candidate.exists():
+        candidate = Path(base) / f"{stamp}-{suffix}"
+        suffix += 1
+    return candidate
+
+
+@dataclass
+class LaunchPlan:
+    """What the parent hands to every rank (must pickle)."""
+
+    jobs: list[Job]
+    options: RunOptions
+    spec: SystemSpec  # what the report compares with
+    out_dir: str
+    meta: dict[str, Any]
+    total_steps: int
+    swept_keys: tuple[str, ...] = ()  # knobs a --backend-option sweep varies (named in progress lines)
+    out_claim: str | None = None  # the token of the launcher's claim on out_dir (report.claim_out_dir)
+
+
+def launch(
+    command: str,
+    settings: LaunchSettings,
+    jobs: list[Job],
+    args: dict[str, Any],
+    option_pairs: Sequence[str] | None = None,
+    corrupt: str | None = None,
+) -> None:
+    """Check everything in the parent, run ``jobs`` on every rank, write the report folder.
+
+    ``args`` are the command's own arguments for meta.json (the shared ones are added here);
+    ``option_pairs`` the ``--backend-option`` pairs of a command that takes them (None: it does not).
+    UsageError (one line, nothing launched or written) on bad input.
+    """
+    from commbench.run import dist
+    from commbench.run.jobs import RunOptions
+
+    world = settings.world_size
+    system = _prepare_spec(settings)
+    backend, reason, sweep = _choose_backend(settings, option_pairs or ())
+    fixed = sweep.fixed
+    knob_settings = sweep.settings()
+    if knob_settings != [{}]:  # setting outermost: each setting's backend is built once
+        jobs = [replace(job, backend_options=dict(setting)) for setting in knob_settings for job in jobs]
+    out_dir, out_claim = _prepare_out(settings.out)
+    total = sum(_phases(job) for job in jobs)
+    if dist.is_rank0_process():
+        swept = f"; {len(knob_settings)} knob settings ({sweep.describe()})" if sweep.swept else ""
+        click.echo(
+            f"commbench {command}: backend {reason}; {world} ranks; spec {system.name}{swept}; "
+            f"{total} cases; report folder {out_dir}",
+            err=True,
+        )
+    shared = {"world_size": world, "backend": backend}
+    if option_pairs is not None:
+        shared.update(backend_options={**fixed, **sweep.swept}, knob_settings=len(knob_settings))
+    shared.update(
+        warmup=settings.warmup,
+        iters=settings.iters,
+        timeout_s=settings.timeout_s,
+        spec=settings.spec_text,
+        ranks_per_domain=settings.ranks_per_domain,
+        ranks_per_host=settings.ranks_per_host,
+        imbalance_cost=settings.imbalance_cost,
+        check=settings.check_mode,
+    )
+    options = RunOptions(
+        backend=backend,
+        backend_options=fixed,
+        timeout_s=settings.timeout_s,
+        corrupt=corrupt,
+        ranks_per_domain=settings.ranks_per_domain,
+        ranks_per_host=settings.ranks_per_host,
+        imbalance_cost=settings.imbalance_cost,
+        check_mode=settings.check_mode,
+    )
+    meta = _run_meta(command, {**args, **shared}, reason)
+    token = out_claim.token if out_claim is not None else None
+    plan = LaunchPlan(jobs, options, system, out_dir, meta, total, tuple(sweep.swept), out_claim=token)
+    try:
+        dist.launch(world, launch_worker, (plan,), backend, settings.timeout_s)
+    except BaseException as exc:
+        # A launch that failed before rank 0 wrote anything leaves no empty report folder behind; one that
+        # wrote rows leaves them, marked INCOMPLETE (here if rank 0 was killed before it could say so).
+        kept = _finish_partial_report(out_dir, out_claim, exc) if dist.is_rank0_process() else None
+        if isinstance(exc, StoppedError) and kept:
+            raise StoppedError(exc.signum, f"{exc}; {kept}") from exc
+        raise
+    if dist.is_rank0_process():
+        click.echo(f"commbench: report written to {out_dir}")
+
+
+def incomplete_reason(exc: BaseException) -> str | None:
+    """Why a run that ended with ``exc`` left an incomplete report (one line), or None when the report is
+    as complete as the run meant it to be (wrong data: the failing job's rows say so, and the run stops)."""
+    from commbench.errors import VerificationError
+
+    if isinstance(exc, VerificationError):
+        return None
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    if isinstance(exc, StoppedError):  # "stopped by SIGTERM", "the launcher (pid 12) is gone"
+        return re.sub(r"^rank \d+: ", "", text).split(";")[0]
+    return text
+
+
+def _finish_partial_report(out_dir: str, out_claim: OutDirClaim | None, exc: BaseException) -> str | None:
+    """After a failed or stopped launch, in the launcher (or rank 0 under torchrun): release a report folder
+    nothing was written to, else make sure it says INCOMPLETE. Returns where the finished rows are, or
+    None."""
+    import json
+
+    from commbench.report import ReportWriteError, mark_incomplete
+
+    if out_claim is not None and out_claim.release_if_unused():
+        return None
+    meta_path = Path(out_dir) / "meta.json"
+    reason = incomplete_reason(exc)
+    if reason is None or not meta_path.is_file():
+        return None
+    try:
+        meta = json.loads(meta_path.read_text())
+        # Rank 0 did not get to it, or knew less (it was stopped because another rank failed).
+        saved = str(meta.get("incomplete_reason", ""))[:200]  # the report clips a long reason
+        if meta.get("status") != "incomplete" or saved != " ".join(reason.split())[:200]:
+            mark_incomplete(out_dir, reason)
+    except ReportWriteError:  # the full disk that ended the run: its one error line says so already
+        return None
+    except Exception as error:  # noqa: BLE001 - never mask the error that ended the run
+        click.echo(f"commbench: could not mark the partial report incomplete: {error}", err=True)
+        return None
+    return f"what finished is in {out_dir} (marked INCOMPLETE)"
+
+
+def _choose_backend(settings: LaunchSettings, option_pairs: Sequence[str]) -> tuple[str, str, OptionSweep]:
+    """(backend, why it was chosen, its --backend-option values; sim's over the report's spec and layout):
+    the backend's own availability check, the device check, every knob setting's ``check_options``."""
+    from commbench.backends import get_backend
+    from commbench.backends.options import parse_option_sweep
+    from commbench.run.dist import resolve_backend
+
+    if settings.backend != "auto":
+        # The backend's own pre-launch check (nvshmem: "needs GPUs and NVSHMEM"), before the device count.
+        check_available = getattr(get_backend(settings.backend), "check_available", None)
+        if callable(check_available):
+            check_available()
+    backend, reason = resolve_backend(settings.backend, settings.world_size)
+    backend_class = get_backend(backend)
+    sweep = parse_option_sweep(backend, backend_class.OPTIONS, option_pairs)
+    fixed = _with_report_layout(sweep.fixed, settings) if backend == "sim" else sweep.fixed
+    for setting in sweep.settings():  # a bad value in any setting of a sweep fails now, not in the ranks
+        backend_class.check_options({**fixed, **setting}, world_size=settings.world_size)
+    return backend, reason, replace(sweep, fixed=fixed)
+
+
+def _prepare_spec(settings: LaunchSettings) -> SystemSpec:
+    """The --spec loaded and the layout overrides' nesting and sizes checked; UsageError otherwise."""
+    from commbench.inputs.layout import build_layout
+    from commbench.inputs.specs import load_spec
+
+    system = load_spec(settings.spec_text)
+    build_layout(settings.world_size, settings.ranks_per_domain, settings.ranks_per_host)
+    return system
+
+
+def _with_report_layout(options: dict[str, Any], settings: LaunchSettings) -> dict[str, Any]:
+    """The sim backend models the report's system and layout, unless its own options say otherwise."""
+    merged = {"spec": settings.spec_text, **options}
+    if settings.ranks_per_domain is not None:
+        merged.setdefault("ranks_per_domain", settings.ranks_per_domain)
+    if settings.ranks_per_host is not None:
+        merged.setdefault("ranks_per_host", settings.ranks_per_host)
+    return merged
+
+
+def _prepare_out(out: str | None) -> tuple[str, OutDirClaim | None]:
+    """Claim (on rank 0) the report folder before launching: created exclusively, or an existing empty one
+    claimed by its marker, so two runs given the same --out cannot both take it (UsageError for the
+    second, and for a folder that is not new or empty). Without --out: the next free reports/<UTC time>."""
+    from commbench.errors import UsageError
+    from commbench.report import OutDirTaken, claim_out_dir
+    from commbench.run.dist import is_rank0_process
+
+    if not is_rank0_process():
+        return str(Path(out) if out else default_out_dir()), None
+    if out:
+        claim = claim_out_dir(out)
+        return str(claim.path), claim
+    for _ in range(_DEFAULT_OUT_TRIES):
+        try:
+            claim = claim_out_dir(default_out_dir())
+        except OutDirTaken:  # another run took this second's folder between the check and the claim
+            continue
+        return str(claim.path), claim
+    raise UsageError(f"could not claim a new folder under {DEFAULT_REPORTS_DIR}/; pass --out DIR")
+
+
+def _run_meta(command: str, args: dict[str, Any], backend_reason: str) -> dict[str, Any]:
+    return {
+        "commbench_version": commbench.__version__,
+        "subcommand": command,
+        "args": args,
+        "backend_choice": backend_reason,
+        "argv": list(sys.argv),
+        "command": shlex.join(sys.argv),
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------
+# On every rank
+
+
+class _Progress:
+    """'[3/7] deepseek-v3 zipf:1.2 dispatch ...' lines on stderr after each finished phase (rank 0)."""
+
+    def __init__(self, total: int, spec: SystemSpec, swept_keys: tuple[str, ...] = ()) -> None:
+        self.total = total
+        self.spec = spec
+        self.done = 0
+        self.swept_keys = swept_keys
+
+    def _setting(self, row: dict[str, Any]) -> str:
+        """The swept knobs of a row (effective values) for its progress line, e.g. " [chunk_rows=4]"."""
+        knobs = row.get("knobs") or {}
+        prefix = f"{row.get('backend_name')}_"  # sim and mock report their options as "<name>_<option>"
+        values = {key: knobs.get(key, knobs.get(prefix + key)) for key in self.swept_keys}
+        shown = [f"{key}={value}" for key, value in values.items() if value is not None]
+        return f" [{' '.join(shown)}]" if shown else ""
+
+    def __call__(self, rows: list[dict[str, Any]]) -> None:
+        from commbench.report import format_bandwidth, results_frame
+        from commbench.report.tables import fmt_wrong
+
+        if not rows:
+            return
+        for row, record in zip(rows, results_frame(rows, self.spec).to_dict("records"), strict=True):
+            self.done += 1
+            phase = record.get("phase")
+            case = "alltoall" if phase == "alltoall" else f"{record.get('skew')} {phase}"
+            click.echo(
+                f"[{self.done}/{self.total}] {record.get('pattern')} {case}{self._setting(row)}: "
+                f"size {int(record['size_bytes'])} B, {record['time_us_p50']:.1f} us, "
+                f"busbw {format_bandwidth(record['busbw_GBps'])} GB/s, "
+                f"#wrong {fmt_wrong(record.get('wrong'))}",
+                err=True,
+            )
+
+
+def launch_worker(comm: Any, plan: LaunchPlan) -> None:
+    """Every rank runs the jobs; rank 0 writes the report as phases finish and prints the table."""
+    from commbench.backends import get_backend
+    from commbench.run.harness import run_jobs
+    from commbench.run.placement import gather_layout
+
+    backend_class = get_backend(plan.options.backend)
+    layout = gather_layout(comm, plan.options)  # collective: every rank's place
+    if comm.rank != 0:
+        run_jobs(comm, plan.jobs, plan.options, backend_class, None, layout)
+        return
+
+    from commbench.hardware.environment import capture_environment
+    from commbench.report import ReportWriter, results_table
+    from commbench.run.liveness import deferred_stop
+
+    env = capture_environment()
+    env["argv"] = plan.meta.get("argv", env["argv"])
+    env["command"] = plan.meta.get("command", env["command"])
+    meta = {**plan.meta, "env": env, "topology": layout.to_meta()}
+    writer = ReportWriter(plan.out_dir, meta, plan.spec, plan.out_claim)  # adds the spec to meta.json
+    click.echo(f"commbench: topology: {layout.describe()}", err=True)
+    progress = _Progress(plan.total_steps, plan.spec, plan.swept_keys)
+
+    def sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
+        with deferred_stop():  # a stop signal waits until these rows are written whole
+            writer.add(rows, rank_rows)
+            progress(rows)
+
+    try:
+        run_jobs(comm, plan.jobs, plan.options, backend_class, sink, layout)
+    except BaseException as stopped_by:
+        # Keep whatever finished readable (summary, html), saying INCOMPLETE and why, before the error
+        # propagates; a second stop signal meanwhile does not cut it short.
+        with deferred_stop():
+            try:
+                frame = writer.finalize(incomplete=incomplete_reason(stopped_by))
+                if not frame.empty:
+                    click.echo(results_table(frame))
+            except Exception as exc:  # never mask the original error
+                click.echo(f"commbench: could not finalize the partial report: {exc}", err=True)
+        raise
+    click.echo(results_table(writer.finalize()))

@@ -1,0 +1,134 @@
+"""The ``commbench`` click group and its error handling: every error ends the command with one stderr line and
+its exit code (2 bad input, 3 wrong data, 4 communication, 1 a bug, 128 + N stopped by signal N), no
+traceback unless COMMBENCH_DEBUG=1.
+
+Every input is validated before any process is launched, so bad input costs one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from typing import Any
+
+import click
+
+import commbench
+from commbench.cli.fabric import simulate, topo
+from commbench.cli.pattern import pattern
+from commbench.cli.report import report
+from commbench.cli.run import run, suite
+from commbench.errors import CommbenchError, StoppedError
+
+
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def exit_code_and_message(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one stderr line for an error that ends the command."""
+    if isinstance(exc, click.exceptions.ClickException):  # click's own usage errors (bad option, bad value)
+        hint = ""
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            hint = f" (see '{exc.ctx.command_path} --help')"
+        code = 2 if isinstance(exc, click.UsageError) else exc.exit_code
+        return code, f"commbench: error: {_one_line(exc.format_message())}{hint}"
+    if isinstance(exc, click.exceptions.Abort | KeyboardInterrupt):
+        return 128 + signal.SIGINT, "commbench: interrupted (SIGINT)"
+    if isinstance(exc, StoppedError):  # not a failure of the run: it was told to stop
+        return exc.exit_code, f"commbench: {_one_line(str(exc))}"
+    if isinstance(exc, CommbenchError):
+        return exc.exit_code, f"commbench: error: {_one_line(str(exc))}"
+    # Only the first line: a failed rank's message carries its whole traceback after it.
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    hint = "(set COMMBENCH_DEBUG=1 for the traceback)"
+    return 1, f"commbench: error: unexpected {type(exc).__name__}: {first} {hint}"
+
+
+def _exit_if_stranded(code: int) -> None:
+    """A torchrun rank whose peers' store stopped answering may hold a store call that must not return
+    during interpreter teardown (it would abort the process): leave at once with ``code`` then."""
+    heartbeats = sys.modules.get("commbench.run.heartbeats")  # loaded only by a launch
+    if heartbeats is not None:
+        heartbeats.exit_if_stranded(code)
+
+
+# click >= 8.2 raises this for a group called without a command; older versions print the help themselves.
+_NO_ARGS_IS_HELP: type[Exception] = getattr(
+    click.exceptions, "NoArgsIsHelpError", type("_Never", (Exception,), {})
+)
+
+
+class CommbenchGroup(click.Group):
+    """A click group whose ``main`` turns every error into one stderr line and an exit code (no traceback,
+    unless COMMBENCH_DEBUG=1). Living in ``main`` itself, this also holds under click's CliRunner."""
+
+    def main(  # type: ignore[override]
+        self,
+        args: list[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        debug = os.environ.get("COMMBENCH_DEBUG", "") not in ("", "0")
+        try:
+            result = super().main(
+                args=args,
+                prog_name=prog_name or "commbench",
+                complete_var=complete_var,
+                standalone_mode=False,
+                **extra,
+            )
+        except click.exceptions.Exit as exc:  # e.g. --help, --version
+            result = exc.exit_code
+        except _NO_ARGS_IS_HELP as exc:  # bare `commbench` (click >= 8.2): the help, not an error
+            if not standalone_mode:
+                raise
+            click.echo(exc.ctx.get_help() if exc.ctx is not None else exc.format_message())
+            result = 0
+        except (Exception, KeyboardInterrupt, click.exceptions.Abort) as exc:
+            if debug and not isinstance(exc, click.exceptions.ClickException):
+                raise
+            if not standalone_mode:
+                raise
+            code, message = exit_code_and_message(exc)
+            with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+                click.echo(message, err=True)
+            _exit_if_stranded(code)
+            sys.exit(code)
+        if not standalone_mode:
+            return result
+        code = result if isinstance(result, int) else 0
+        _exit_if_stranded(code)
+        sys.exit(code)
+
+
+@click.group(
+    cls=CommbenchGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110}
+)
+@click.version_option(commbench.__version__, prog_name="commbench")
+def cli() -> None:
+    """MoE dispatch/combine communication benchmark (nccl-tests conventions: size, time, algbw, busbw,
+    #wrong; GB = 1e9 bytes).
+
+    \b
+    Examples:
+      commbench run --model deepseek-v3 --skew zipf:1.2 --tokens 4096 --world-size 4
+      torchrun --nproc-per-node 8 -m commbench run --model deepseek-v3 --skew hot:8:0.3
+      commbench run --pattern balanced --min-bytes 1K --max-bytes 64M --world-size 4
+      commbench suite --world-size 4 --quick
+      commbench pattern --model kimi-k2 --world-size 64 --tokens 4096 --skew zipf:1.2
+      commbench report reports/20250101T000000Z
+    """
+
+
+for _command in (run, suite, pattern, report, topo, simulate):
+    cli.add_command(_command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console script: exit 0 on success, else the error's exit code and one line on stderr."""
+    cli.main(args=argv, prog_name="commbench")

@@ -1,0 +1,263 @@
+"""Command-line option types and the options shared by several commands, each declared once.
+
+``moe_options`` (the routing inputs) serve ``run`` and ``pattern``; the launch options (world size, backend,
+iterations, timeout, check mode, report folder, spec and layout overrides) serve ``run`` and ``suite``. Help
+texts state units and defaults.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from commbench.backends import BACKENDS
+
+# Bounds of the integer and size options. Each is far beyond a real run and keeps the products computed
+# from it (rows x row bytes, tokens x top-k x ranks) inside int64; what a machine can hold is the memory
+# estimate's business (commbench.cli.resources), not these.
+MAX_BYTES = 1 << 50  # --min-bytes / --max-bytes: 1 PiB each rank sends
+MAX_TOKENS = 1 << 31  # tokens per rank: serving batches are ~10^3..10^5
+MAX_SEED = (1 << 63) - 1  # stored as int64 in the report files
+MAX_TIMEOUT_S = 86400.0  # a collective that takes a day has hung
+MAX_REPEATS = 1 << 31  # --warmup / --iters
+MAX_RANKS = 1 << 24  # ranks per NVLink domain, per host, per leaf group: 16M GPUs
+# Expert capacity: at num_experts / top-k x the mean nothing is dropped any more; the bound keeps
+# tokens x top-k x factor inside int64.
+MAX_CAPACITY_FACTOR = 1e6
+DEFAULT_WARMUP = 5
+DEFAULT_ITERS = 20
+# suite --quick: a smoke test of the whole pipeline in seconds.
+QUICK_WARMUP = 2
+QUICK_ITERS = 5
+
+
+class ByteSize(click.ParamType):
+    """A byte count with an optional binary suffix, as nccl-tests -b/-e: 4096, 64K, 16M, 1G (K = 1024)."""
+
+    name = "BYTES"
+    _pattern = re.compile(r"^\s*(\d+)\s*([kmgtp]?)(i?b)?\s*$", re.IGNORECASE)
+    _scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            count = value
+        else:
+            match = self._pattern.match(str(value))
+            if not match:
+                self.fail(
+                    f"{str(value)[:40]!r} is not a byte count; use e.g. 4096, 64K, 16M or 1G (K = 1024)",
+                    param,
+                    ctx,
+                )
+            digits = match.group(1).lstrip("0") or "0"
+            # More digits than 2^50 has: too large, without converting a 100,000-digit number first.
+            count = MAX_BYTES + 1 if len(digits) > 16 else int(digits) * self._scale[match.group(2).lower()]
+        if count > MAX_BYTES:
+            # Far beyond any machine (the memory estimate refuses much less); keeps every later product of a
+            # size within int64 and float64's exact integers.
+            self.fail(f"{str(value)[:40]!r} is above the largest size taken, 1P (2^50 bytes)", param, ctx)
+        return count
+
+
+class FiniteFloat(click.FloatRange):
+    """A finite number in a range. click's FLOAT takes "nan" and "inf", and NaN passes every range check, so
+    every float option uses this type (tests/cli/test_bad_input.py checks that none uses another)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{str(value)[:40]!r} is not a finite number", param, ctx)
+        return float(super().convert(number, param, ctx))
+
+
+def finite_float(
+    min: float | None = None,  # noqa: A002 - click's own names
+    max: float | None = None,  # noqa: A002
+    min_open: bool = False,
+    max_open: bool = False,
+) -> FiniteFloat:
+    """A FiniteFloat type: finite, and within [min, max] (open ends as given)."""
+    return FiniteFloat(min=min, max=max, min_open=min_open, max_open=max_open)
+
+
+BYTES = ByteSize()
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def _model_help() -> str:
+    try:
+        from commbench.inputs.models import list_models
+
+        names = ", ".join(list_models())
+    except Exception:  # help must work even if presets cannot be listed
+        names = "see commbench/inputs/presets/"
+    return f"Model preset name ({names}) or path to a YAML file with the same keys."
+
+
+def _spec_help() -> str:
+    try:
+        from commbench.inputs.specs import DEFAULT_SPEC_NAME, list_specs
+
+        names, default = ", ".join(list_specs()), DEFAULT_SPEC_NAME
+    except Exception:  # help must work even if the catalogue cannot be listed
+        names, default = "see commbench/inputs/catalogue/", "gb300-nvl72"
+    return (
+        f"System spec the report compares with: a catalogue name ({names}) or a YAML file with the same "
+        f"keys. Default: {default}."
+    )
+
+
+SKEW_HELP = (
+    "Expert popularity: uniform | zipf:S (Zipf exponent S) | hot:N:F (N hot experts get fraction F of "
+    "selections) | rank-imbalance:R (one rank's experts get R x the load) | trace:PATH (recorded routing)."
+)
+
+SEED = click.option(
+    "--seed",
+    type=click.IntRange(min=0, max=MAX_SEED),
+    default=0,
+    show_default=True,
+    help="Random seed of the routing (integer >= 0).",
+)
+
+_MOE_OPTIONS = (
+    click.option("--model", "model_name", default="deepseek-v3", show_default=True, help=_model_help()),
+    click.option("--skew", default="uniform", show_default=True, help=SKEW_HELP),
+    click.option(
+        "--tokens",
+        type=click.IntRange(min=1, max=MAX_TOKENS),
+        default=4096,
+        show_default=True,
+        help="Tokens per rank (the batch each rank dispatches), in tokens.",
+    ),
+    click.option(
+        "--send-mode",
+        type=click.Choice(["token", "selection"]),
+        default="token",
+        show_default=True,
+        help="token: one row per (token, destination rank), as DeepEP normal kernels; selection: one row "
+        "per (token, expert) selection, as per-expert all-to-all dispatchers.",
+    ),
+    click.option(
+        "--mask-ratio",
+        type=finite_float(0.0, 1.0, max_open=True),
+        default=0.0,
+        show_default=True,
+        help="Fraction of (token, expert) selections dropped at random, in [0, 1) (as DeepEP's "
+        "masked ratio).",
+    ),
+    click.option(
+        "--capacity-factor",
+        type=finite_float(0.0, MAX_CAPACITY_FACTOR, min_open=True),
+        default=None,
+        help="Expert capacity as a multiple of tokens/experts per source rank; selections over it are "
+        "dropped. Default: no capacity limit.",
+    ),
+    SEED,
+)
+
+
+def moe_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--model, --skew, --tokens, --send-mode, --mask-ratio, --capacity-factor, --seed (run, pattern)."""
+    for option in reversed(_MOE_OPTIONS):
+        func = option(func)
+    return func
+
+
+# The launch options of run and suite, applied one by one so each command keeps its order in --help.
+WORLD_SIZE = click.option(
+    "--world-size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Number of ranks (processes), in ranks. Default under torchrun: its WORLD_SIZE; otherwise required "
+    "(commbench starts that many local processes).",
+)
+BACKEND = click.option(
+    "--backend",
+    type=click.Choice(["auto", *BACKENDS]),
+    default="auto",
+    show_default=True,
+    help="Communication backend. auto = nccl when there is a CUDA device per rank (any under torchrun), "
+    "else gloo (CPU). mock/sim/shmem-emu are emulated: reports label their timings.",
+)
+WARMUP = click.option(
+    "--warmup",
+    type=click.IntRange(min=0, max=MAX_REPEATS),
+    default=None,
+    help=f"Untimed warm-up iterations per case. Default: {DEFAULT_WARMUP} ({QUICK_WARMUP} with suite "
+    "--quick).",
+)
+ITERS = click.option(
+    "--iters",
+    type=click.IntRange(min=1, max=MAX_REPEATS),
+    default=None,
+    help=f"Timed iterations per case. Default: {DEFAULT_ITERS} ({QUICK_ITERS} with suite --quick).",
+)
+TIMEOUT = click.option(
+    "--timeout",
+    "timeout_s",
+    type=finite_float(1.0, MAX_TIMEOUT_S),
+    default=300.0,
+    show_default=True,
+    help="Seconds a collective (or rank start-up) may take before the run aborts with exit code 4.",
+)
+# The choices are commbench.run.jobs.CHECK_MODES (not imported here: --help must not load torch).
+CHECK = click.option(
+    "--check",
+    "check_mode",
+    type=click.Choice(["checksum", "every"]),
+    default="checksum",
+    show_default=True,
+    help="How the timed iterations are verified; before each one every receive buffer is filled with a "
+    "sentinel, outside the timer. checksum: each timed iteration's output checksummed, the last verified "
+    "byte for byte; every: every timed iteration verified byte for byte (slower). Written in every result "
+    "row (check) and meta.json.",
+)
+OUT = click.option(
+    "--out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Report folder; must be new or empty. Default: reports/<UTC timestamp>/ (never overwritten).",
+)
+_LAYOUT_OPTIONS = (
+    click.option("--spec", "spec_text", default=None, metavar="NAME|PATH", help=_spec_help()),
+    click.option(
+        "--ranks-per-domain",
+        type=click.IntRange(min=1, max=MAX_RANKS),
+        default=None,
+        help="Override the discovered NVLink domains: contiguous groups of N ranks share one (a CPU what-if: "
+        "4 gloo ranks with N=2 stand for 2 domains of 2). Default: NVML fabric clique, else the host.",
+    ),
+    click.option(
+        "--ranks-per-host",
+        type=click.IntRange(min=1, max=MAX_RANKS),
+        default=None,
+        help="Override the hosts: contiguous groups of N ranks per host (must divide --ranks-per-domain). "
+        "Default: discovered host names, or one host per domain with --ranks-per-domain.",
+    ),
+)
+
+
+def layout_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--spec and the NVLink-domain / host layout overrides (run and suite)."""
+    for option in reversed(_LAYOUT_OPTIONS):
+        func = option(func)
+    return func
+
+
+def imbalance_cost_option(default: bool) -> Decorator:
+    """--imbalance-cost/--no-imbalance-cost; on by default in the suite, off in run."""
+    return click.option(
+        "--imbalance-cost/--no-imbalance-cost",
+        default=default,
+        show_default=True,
+        help="After each MoE case, rerun dispatch and combine (same code path, same launch) on a balanced "
+        "layout of the same rows, and add balanced_time_us_p50, skew_cost (= skewed time / balanced time) "
+        "and skew_bw_loss_pct to its rows.",
+    )

@@ -1,0 +1,25 @@
+"""``commbench report``: re-render a saved report folder from its CSVs and meta.json, and print its table."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.argument("report_dir", type=click.Path(file_okay=False))
+def report(report_dir: str) -> None:
+    """Re-render a saved report folder (results.parquet, results.json, summary.md, report.html) from its
+    results.csv, ranks.csv and meta.json, and print the table.
+
+    Every file is checked first: a folder whose files are cut or malformed is refused with one line naming
+    the file (exit 2), and nothing in it changes. results.csv, ranks.csv and meta.json are never rewritten.
+    A run that was stopped is re-rendered and said to be INCOMPLETE."""
+    from commbench.report import render_report, results_table
+
+    frame = render_report(report_dir)
+    incomplete = frame.attrs.get("incomplete")
+    if incomplete:
+        click.echo(f"# INCOMPLETE: {incomplete}; only the phases that finished are below")
+    click.echo(results_table(frame))
+    state = f" (INCOMPLETE run: {incomplete})" if incomplete else ""
+    click.echo(f"commbench: re-rendered {report_dir}{state}")

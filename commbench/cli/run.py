@@ -1,0 +1,173 @@
+"""``commbench run`` (one pattern, or a balanced size sweep) and ``commbench suite`` (the default cases), both
+through the one launch of ``commbench.cli.launch``."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import click
+
+from commbench.cli import options as opt
+from commbench.cli.inputs import MoeInputs, balanced_sizes, build_routing_config, check_jobs
+from commbench.cli.launch import LaunchSettings, balanced_job, launch, moe_job
+
+# The default suite, sized so that 4 gloo ranks on 2 CPU cores finish it in a few minutes.
+SUITE_MODEL = "deepseek-v3"
+SUITE_SKEWS = ("uniform", "zipf:1.2", "hot:8:0.3")
+SUITE_TOKENS = 512
+SUITE_MIN_BYTES = 1 << 10
+SUITE_MAX_BYTES = 16 << 20
+SUITE_STEP_FACTOR = 2.0
+# --quick: a smoke test of the whole pipeline in seconds.
+QUICK_TOKENS = 128
+QUICK_MAX_BYTES = 1 << 20
+QUICK_STEP_FACTOR = 4.0
+
+
+@click.command()
+@opt.moe_options
+@opt.WORLD_SIZE
+@opt.BACKEND
+@click.option(
+    "--backend-option",
+    "option_pairs",
+    multiple=True,
+    metavar="KEY=VALUE[,VALUE...]",
+    help="Backend knob (repeatable), e.g. num_blocks=24; lands in every result row. Several values "
+    "(num_blocks=16,32,64) sweep them: every combination of the listed values runs in this one launch and "
+    "report folder.",
+)
+@opt.WARMUP
+@opt.ITERS
+@opt.TIMEOUT
+@opt.CHECK
+@opt.OUT
+@click.option(
+    "--corrupt",
+    type=click.Choice(["dispatch", "combine"]),
+    default=None,
+    hidden=True,
+    help="Test hook: corrupt one received byte/element on rank 0 (the run must exit 3).",
+)
+@opt.layout_options
+@opt.imbalance_cost_option(default=False)
+@click.option(
+    "--pattern",
+    "pattern_kind",
+    type=click.Choice(["moe", "balanced"]),
+    default="moe",
+    show_default=True,
+    help="moe: the model's dispatch and combine phases; balanced: an nccl-tests-style all-to-all size sweep.",
+)
+@click.option(
+    "--min-bytes",
+    type=opt.BYTES,
+    default="1K",
+    show_default=True,
+    help="Balanced: smallest size, bytes each rank sends in total (nccl-tests -b; K/M/G = 1024-based).",
+)
+@click.option(
+    "--max-bytes",
+    type=opt.BYTES,
+    default="16M",
+    show_default=True,
+    help="Balanced: largest size in bytes each rank sends (nccl-tests -e). Sizes are rounded down to a "
+    "multiple of the world size.",
+)
+@click.option(
+    "--step-factor",
+    type=opt.finite_float(1.0),
+    default=2.0,
+    show_default=True,
+    help="Balanced: multiply the size by this factor between steps (nccl-tests -f).",
+)
+def run(
+    pattern_kind: str,
+    min_bytes: int,
+    max_bytes: int,
+    step_factor: float,
+    option_pairs: tuple[str, ...],
+    corrupt: str | None,
+    **params: Any,
+) -> None:
+    """Run one pattern: a model's dispatch + combine, or a balanced all-to-all size sweep."""
+    settings = LaunchSettings.from_params(params)
+    moe = MoeInputs.from_params(params)
+    world = settings.world_size
+    if pattern_kind == "balanced":
+        sizes = balanced_sizes(min_bytes, max_bytes, step_factor, world)
+        jobs = [balanced_job(sizes, settings)]
+        settings = replace(settings, imbalance_cost=False)  # a balanced sweep has nothing to compare with
+    else:
+        sizes = None
+        jobs = [moe_job(build_routing_config(moe, world, dry_run=False), moe.send_mode, settings)]
+    check_jobs(jobs, settings)
+    is_moe = pattern_kind == "moe"
+    args = {
+        "pattern": pattern_kind,
+        "model": moe.model_name if is_moe else None,
+        "skew": moe.skew if is_moe else None,
+        "tokens_per_rank": moe.tokens if is_moe else None,
+        "send_mode": moe.send_mode,
+        "mask_ratio": moe.mask_ratio,
+        "capacity_factor": moe.capacity_factor,
+        "seed": moe.seed,
+        "sizes": sizes,
+    }
+    launch("run", settings, jobs, args, option_pairs=option_pairs, corrupt=corrupt)
+
+
+@click.command()
+@opt.WORLD_SIZE
+@opt.BACKEND
+@click.option(
+    "--tokens",
+    type=click.IntRange(min=1, max=opt.MAX_TOKENS),
+    default=None,
+    help=f"Tokens per rank for the {SUITE_MODEL} cases, in tokens. Default: {SUITE_TOKENS} "
+    f"({QUICK_TOKENS} with --quick).",
+)
+@opt.WARMUP
+@opt.ITERS
+@opt.SEED
+@opt.TIMEOUT
+@opt.CHECK
+@opt.OUT
+@opt.layout_options
+@opt.imbalance_cost_option(default=True)
+@click.option(
+    "--quick",
+    is_flag=True,
+    help=f"Smoke test: sizes 1 KiB..{QUICK_MAX_BYTES >> 20} MiB x{QUICK_STEP_FACTOR:g}, "
+    f"{QUICK_TOKENS} tokens, {opt.QUICK_WARMUP} warm-up + {opt.QUICK_ITERS} timed iterations.",
+)
+def suite(tokens: int | None, seed: int, quick: bool, **params: Any) -> None:
+    """The default suite in one launch and one report folder.
+
+    \b
+    1. balanced all-to-all sweep, 1 KiB .. 16 MiB each rank sends, x2 per step (nccl-tests -b 1K -e 16M -f 2);
+    2. deepseek-v3 dispatch + combine (FP8 dispatch, BF16 combine, token mode) at skews
+       uniform, zipf:1.2 and hot:8:0.3, 512 tokens per rank.
+    Sized for 4 gloo ranks on 2 CPU cores to take a few minutes; on GPUs raise --tokens (e.g. 4096).
+    """
+    settings = LaunchSettings.from_params(params, quick=quick)
+    world = settings.world_size
+    tokens = tokens or (QUICK_TOKENS if quick else SUITE_TOKENS)
+    max_bytes = QUICK_MAX_BYTES if quick else SUITE_MAX_BYTES
+    step = QUICK_STEP_FACTOR if quick else SUITE_STEP_FACTOR
+    sizes = balanced_sizes(SUITE_MIN_BYTES, max_bytes, step, world)
+    jobs = [balanced_job(sizes, settings)]
+    for skew in SUITE_SKEWS:
+        moe = MoeInputs(SUITE_MODEL, skew, tokens, seed, 0.0, None, "token")
+        jobs.append(moe_job(build_routing_config(moe, world, dry_run=False), "token", settings))
+    check_jobs(jobs, settings)
+    args = {
+        "suite": "quick" if quick else "default",
+        "model": SUITE_MODEL,
+        "skews": list(SUITE_SKEWS),
+        "tokens_per_rank": tokens,
+        "sizes": sizes,
+        "seed": seed,
+    }
+    launch("suite", settings, jobs, args)

@@ -1,0 +1,305 @@
+"""The files of a report folder: the folder claimed, CSVs appended as phases finish, parquet, JSON, meta.json.
+
+A report folder holds ``meta.json`` (arguments, environment, spec), ``results.csv`` and ``ranks.csv``
+(appended after every phase, so a crash loses nothing finished) and, once the run ends, ``results.parquet``,
+``results.json`` (nccl-tests-like), ``summary.md`` and ``report.html``. ``render_report`` rebuilds the last
+four from the first three (``commbench report DIR``), after checking them (``report.reading``). In memory a
+row's knobs are a dict; in every file they are one "k=v k=v" text cell (``plain.knobs_text``).
+
+Every file is written atomically and CSV rows are appended whole (``report.folder``); a write that fails
+(full disk, file-size limit) is a one-line ``ReportWriteError`` (exit 2) and leaves only whole files. A run
+that was stopped is finished with ``ReportWriter.finalize(incomplete=REASON)`` (or, from the launcher when
+rank 0 is gone, ``mark_incomplete(DIR, REASON)``): meta.json's ``status`` says "incomplete"
+(``incomplete_reason`` why), and summary.md, report.html and results.json say INCOMPLETE at the top.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from commbench.inputs.specs import SystemSpec, load_spec, spec_from_dict
+from commbench.inputs.userfiles import clip
+from commbench.plain import is_missing, knobs_text, plain
+from commbench.report.folder import (
+    CsvAppender,
+    OutDirClaim,
+    ReportWriteError,
+    check_claim,
+    claim_out_dir,
+    write_atomic,
+)
+from commbench.report.frame import CONVENTIONS, average_bus_bandwidth, rank_frame, results_frame
+from commbench.report.html import incomplete_reason, report_html, summary_markdown
+from commbench.report.reading import RANK_COLUMNS, RESULT_COLUMNS, read_meta, read_report, read_rows
+
+INCOMPLETE_REASON_CHARS = 300  # a reason is one line (e.g. "stopped by SIGTERM after 3 of 8 cases")
+
+
+def spec_figures(spec: SystemSpec) -> dict[str, Any]:
+    """The figures the report compares with, as meta.json's and results.json's ``spec``."""
+    return {
+        "name": str(spec.name),
+        "per_gpu_GBps_per_direction": float(spec.nvlink_GBps_per_direction),
+        "gpus_per_domain": int(spec.gpus_per_domain),
+        "aggregate_GBps_bidirectional": float(spec.domain_aggregate_GBps_bidirectional),
+        "nic_GBps_per_direction": float(spec.nic_GBps_per_direction),
+    }
+
+
+def spec_meta(spec: SystemSpec) -> dict[str, Any]:
+    """meta.json's ``spec`` (the compared figures) and ``system_spec`` (the whole spec, its one-line text)."""
+    return {
+        "spec": spec_figures(spec),
+        "system_spec": {**asdict(spec), "description_line": spec.describe()},
+    }
+
+
+def spec_from_meta(meta: Mapping[str, Any], where: str = "meta.json") -> SystemSpec:
+    """The spec a report folder was written against: meta.json's ``system_spec``, else its ``spec`` figures
+    (folders of older versions), else the catalogue's default spec."""
+    saved = meta.get("system_spec")
+    if isinstance(saved, Mapping):
+        return spec_from_dict(saved, where)
+    figures = meta.get("spec")
+    if isinstance(figures, Mapping):
+        nic = figures.get("nic_GBps_per_direction")
+        saved = {
+            "name": figures.get("name"),
+            "gpus_per_domain": figures.get("gpus_per_domain"),
+            "nvlink_GBps_per_direction": figures.get("per_gpu_GBps_per_direction"),
+            "nic_Gbps_per_direction": 8 * nic if isinstance(nic, (int, float)) else nic,
+            "aggregate_GBps_bidirectional": figures.get("aggregate_GBps_bidirectional"),
+        }
+        return spec_from_dict(saved, where)
+    return load_spec()
+
+
+def file_frame(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` as the files hold it: the ``knobs`` dicts as text."""
+    if "knobs" not in frame.columns:
+        return frame
+    return frame.assign(knobs=[knobs_text(knobs) for knobs in frame["knobs"]])
+
+
+def file_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """The rows of ``frame`` for a CSV or JSON file: knobs as text, plain Python values, None for NaN."""
+    return [plain(record) for record in file_frame(frame).to_dict("records")]
+
+
+class ReportWriter:
+    """Writes one report folder: CSVs appended as phases finish, the rest in ``finalize``.
+
+    ``meta`` is saved as meta.json at once (typically {"args": ..., "env": ...}) with the spec's ``spec`` and
+    ``system_spec`` entries; ``spec`` None takes the spec ``meta`` names (``spec_from_meta``). ``claim`` is
+    the token of a claim made before launching (``claim_out_dir`` in the launcher); None claims the folder
+    now. After a failed write (ReportWriteError, raised once) the writer writes nothing more: the folder
+    keeps the whole files it had.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str],
+        meta: dict[str, Any],
+        spec: SystemSpec | None = None,
+        claim: str | None = None,
+    ) -> None:
+        self.spec = spec if spec is not None else spec_from_meta(meta)
+        own_claim: OutDirClaim | None = None
+        if claim is None:
+            own_claim = claim_out_dir(out_dir)
+            self.out_dir = own_claim.path
+        else:
+            self.out_dir = check_claim(out_dir, claim)
+        self.meta = {**meta, **spec_meta(self.spec)}
+        self._failed: ReportWriteError | None = None
+        try:
+            self._write(self.out_dir / "meta.json", json.dumps(plain(self.meta), indent=2) + "\n")
+        except ReportWriteError:
+            if own_claim is not None:
+                own_claim.release_if_unused()
+            raise
+        self._results = CsvAppender(self.out_dir / "results.csv")
+        self._ranks = CsvAppender(self.out_dir / "ranks.csv")
+        self._rows: list[dict[str, Any]] = []
+        self._rank_rows: list[dict[str, Any]] = []
+
+    def _guarded(self, write: Any, *args: Any) -> None:
+        """Run one write; the first failure is remembered, and every later write refused with it."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            write(*args)
+        except ReportWriteError as exc:
+            self._failed = exc
+            raise
+
+    def _write(self, path: Path, data: bytes | str) -> None:
+        self._guarded(write_atomic, path, data)
+
+    def add(self, rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]] | None = None) -> None:
+        """Append finished rows to results.csv (with their bandwidth columns) and ranks.csv (with the
+        per-rank GB/s), whole rows only."""
+        if rows:
+            self._guarded(self._results.append, file_records(results_frame(rows, self.spec)))
+            self._rows.extend(rows)
+        if rank_rows:
+            self._guarded(self._ranks.append, file_records(rank_frame(rank_rows)))
+            self._rank_rows.extend(rank_rows)
+
+    def finalize(self, incomplete: str | None = None) -> pd.DataFrame:
+        """Write results.parquet, results.json, summary.md and report.html from the rows added; return the
+        results frame.
+
+        ``incomplete``: the run was stopped (a signal, a failure) and this is why, in one line: meta.json gets
+        ``status: "incomplete"`` and ``incomplete_reason``, and the pages say INCOMPLETE at the top. After a
+        failed write nothing is written (the frame is still returned)."""
+        frame = results_frame(self._rows, self.spec)
+        if self._failed is not None:
+            return frame
+        if incomplete is not None:
+            reason = _one_line_reason(incomplete)
+            self.meta = {**self.meta, "status": "incomplete", "incomplete_reason": reason}
+            self._write(self.out_dir / "meta.json", json.dumps(plain(self.meta), indent=2) + "\n")
+        pages = report_pages(frame, rank_frame(self._rank_rows), self.meta, self.spec)
+        self._guarded(write_pages, self.out_dir, pages)
+        return frame
+
+
+def render_report(out_dir: str | os.PathLike[str]) -> pd.DataFrame:
+    """Re-render parquet/json/summary/html of a report folder from results.csv (+ ranks.csv, meta.json).
+
+    Every file is checked first and every page built in memory before the first is written, so a folder
+    that is refused (UsageError naming the file) is left exactly as it was; results.csv, ranks.csv and
+    meta.json are never written. The returned frame's ``attrs["incomplete"]`` is the reason of a stopped
+    run (meta.json status "incomplete"), else None."""
+    meta, results, ranks = read_report(out_dir)
+    spec = spec_from_meta(meta, str(Path(out_dir) / "meta.json"))
+    frame = results_frame(results, spec)
+    write_pages(Path(out_dir), report_pages(frame, rank_frame(ranks), meta, spec))
+    frame.attrs["incomplete"] = incomplete_reason(meta)
+    return frame
+
+
+def mark_incomplete(out_dir: str | os.PathLike[str], reason: str) -> pd.DataFrame | None:
+    """Finish a stopped run's folder from outside its writer (the launcher, when rank 0 was killed before it
+    could call ``finalize(incomplete=...)``): meta.json gets ``status: "incomplete"`` and the reason, and the
+    pages are rendered from the rows on disk, saying INCOMPLETE. None (nothing written) when rank 0 never
+    wrote meta.json; UsageError naming a file that cannot be read or written."""
+    path = Path(out_dir)
+    meta_path = path / "meta.json"
+    if not meta_path.exists():
+        return None
+    meta = {**read_meta(meta_path), "status": "incomplete", "incomplete_reason": _one_line_reason(reason)}
+    results_csv, ranks_csv = path / "results.csv", path / "ranks.csv"
+    results = read_rows(results_csv, RESULT_COLUMNS) if results_csv.exists() else pd.DataFrame()
+    ranks = read_rows(ranks_csv, RANK_COLUMNS) if ranks_csv.exists() else pd.DataFrame()
+    spec = spec_from_meta(meta, str(meta_path))
+    frame = results_frame(results, spec)
+    pages = report_pages(frame, rank_frame(ranks), meta, spec)
+    write_atomic(meta_path, json.dumps(plain(meta), indent=2) + "\n")
+    write_pages(path, pages)
+    frame.attrs["incomplete"] = incomplete_reason(meta)
+    return frame
+
+
+def _one_line_reason(reason: str) -> str:
+    return clip(" ".join(str(reason).split()), INCOMPLETE_REASON_CHARS) or "stopped"
+
+
+@dataclass(frozen=True)
+class ReportPages:
+    """The rendered files of a report folder, each as its bytes or text."""
+
+    parquet: bytes
+    results_json: str
+    summary_md: str
+    report_html: str
+
+
+def report_pages(
+    frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec
+) -> ReportPages:
+    """results.parquet, results.json, summary.md and report.html of a run, rendered in memory."""
+    buffer = io.BytesIO()
+    _parquet_safe(file_frame(frame)).to_parquet(buffer, index=False)
+    return ReportPages(
+        parquet=buffer.getvalue(),
+        results_json=json.dumps(results_json(frame, meta, spec), indent=2) + "\n",
+        summary_md=summary_markdown(frame, meta, spec),
+        report_html=report_html(frame, ranks, meta, spec),
+    )
+
+
+def write_pages(out_dir: Path, pages: ReportPages) -> None:
+    """The rendered pages, each written atomically."""
+    write_atomic(out_dir / "results.parquet", pages.parquet)
+    write_atomic(out_dir / "results.json", pages.results_json)
+    write_atomic(out_dir / "summary.md", pages.summary_md)
+    write_atomic(out_dir / "report.html", pages.report_html)
+
+
+def _parquet_safe(frame: pd.DataFrame) -> pd.DataFrame:
+    """Object columns holding mixed types (e.g. backend knobs) become strings, which parquet can store."""
+    out = frame.copy()
+    for column in out.columns:
+        if out[column].dtype == object:
+            kinds = {type(v) for v in out[column] if not is_missing(v)}
+            if len(kinds) > 1 or (kinds and not kinds <= {str, bool}):
+                out[column] = [None if is_missing(v) else str(v) for v in out[column]]
+    return out
+
+
+def results_json(frame: pd.DataFrame, meta: Mapping[str, Any], spec: SystemSpec) -> dict[str, Any]:
+    """nccl-tests-like JSON: args, env, results[] (size, time, alg_bw, bus_bw, wrong), average bus bw.
+
+    Each result also carries nccl-tests' own ``-J`` layout (``out_of_place`` {time, alg_bw, bus_bw, nwrong},
+    ``in_place`` null: commbench runs one out-of-place exchange), so a parser of nccl-tests JSON reads it.
+    """
+    env = meta.get("env") or {}
+    results = []
+    for row in file_records(frame):
+        figures = {
+            "time": row.get("time_us_p50"),
+            "alg_bw": row.get("algbw_GBps"),
+            "bus_bw": row.get("busbw_GBps"),
+        }
+        results.append(
+            {
+                "size": row.get("size_bytes"),
+                **figures,
+                "wrong": row.get("wrong"),
+                "out_of_place": {**figures, "nwrong": row.get("wrong")},
+                "in_place": None,
+                **row,
+            }
+        )
+    avg = average_bus_bandwidth(frame)
+    return plain(
+        {
+            "args": meta.get("args", {}),
+            "env": env,
+            "nccl_version": (env.get("versions") or {}).get("nccl"),
+            "devices": env.get("devices", []),
+            "spec": spec_figures(spec),
+            "units": {"size": "bytes", "time": "us", "alg_bw": "GB/s (1e9 B/s)", "bus_bw": "GB/s (1e9 B/s)"},
+            "conventions": CONVENTIONS,
+            "results": results,
+            "average_bus_bandwidth": None if math.isnan(avg) else avg,
+            **_status(meta),
+        }
+    )
+
+
+def _status(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """results.json's ``status`` and ``incomplete_reason``, for a stopped run only."""
+    reason = incomplete_reason(meta)
+    return {} if reason is None else {"status": "incomplete", "incomplete_reason": reason}

@@ -1,0 +1,222 @@
+"""Bytes and times -> GB/s, %spec and aggregates: the only place commbench computes a bandwidth.
+
+Harness rows hold bytes and times only. ``results_frame`` adds every derived column of a result row
+(``DERIVED_COLUMNS``) against a ``SystemSpec``; ``rank_frame`` adds the per-rank GB/s of ranks.csv. Derived
+columns are always recomputed, so a re-render with another spec never trusts stale saved figures.
+``CONVENTIONS`` says what every figure means; it is printed in summary.md, report.html and results.json.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from commbench.errors import UsageError
+from commbench.inputs.specs import SystemSpec, load_spec
+
+# Every convention a reader needs to interpret the numbers; shown in summary.md, report.html and results.json.
+CONVENTIONS = """\
+Conventions
+- Bytes are payload only: token rows, FP8 scales included; routing metadata and the counts exchange are not
+  counted (the counts exchange is inside the timed dispatch). Dispatch rows are FP8 (hidden bytes + one fp32
+  scale per scale block) or BF16 (2 x hidden bytes); combine rows are BF16 (2 x hidden bytes).
+- send_mode=token (DeepEP normal kernels): a token is sent once to each destination rank that holds at least
+  one of its selected experts (de-duplicated per destination rank). send_mode=selection: one row per
+  (token, expert) selection. Dropped selections (mask ratio, capacity) send nothing.
+- size(B): the bottleneck rank's max(bytes sent, bytes received), self traffic (a rank to itself) INCLUDED.
+  For the balanced all-to-all, size = bytes each rank sends in total (nccl-tests alltoall size).
+- time(us): the p50 over timed iterations of the per-iteration maximum across ranks; min and p99 are given
+  too. Warm-up iterations are not timed.
+- Every bandwidth is ONE direction (bytes a rank sent, or received, per second) and is compared with a
+  per-direction spec; a one-way figure is never compared with a bidirectional spec (NVLink 5: 1.8 TB/s
+  bidirectional = 900 GB/s per direction; a NIC's line rate, e.g. 800 Gb/s = 100 GB/s, is per direction).
+- algbw (algorithm bandwidth, what the MoE layer sees) = size / time, self traffic INCLUDED, like DeepEP's
+  and nccl-tests' algbw.
+- busbw (link bandwidth, bytes that crossed a link) = the bottleneck rank's link bytes in one direction, max
+  over ranks of max(bytes sent, bytes received) EXCLUDING self traffic, / time. For the balanced all-to-all
+  busbw = algbw x (n-1)/n, exactly nccl-tests' busbw.
+- per-GPU bandwidth = busbw; %spec compares it with the per-GPU NVLink spec per direction (all link bytes,
+  whatever link they crossed: with scale-out traffic read the per-class columns instead).
+- agg = all link bytes of the job (every rank's sends, self traffic excluded) / time, one direction;
+  %agg compares it with the NVLink-domain aggregate per direction scaled to the ranks used (NVL72: 130 TB/s
+  bidirectional for 72 GPUs = 65 TB/s one way, x ranks / 72).
+- Link classes: self (src == dst, stays on the GPU), nvlink (another rank of the same NVLink domain) and
+  scaleout (a rank of another domain, through the NIC). Domains come from NVML's GPU fabric clique (an NVL72
+  rack), else the host, unless --ranks-per-domain / --ranks-per-host override them (CPU what-ifs).
+  nvlink_GBps / scaleout_GBps = the class's bottleneck rank's bytes of that class in its busiest direction /
+  the phase time, against the per-GPU spec of the class (NVLink per direction; NIC line rate / 8);
+  *_agg_GBps = all bytes of the class / time, against the class aggregate (NVLink: domain aggregate / 2 x
+  ranks / GPUs per domain; scale-out: ranks x NIC per direction). The time is the whole phase, so a class's
+  figure is what it carried over the phase, a lower bound of its own rate when the other class is slower.
+- Per-rank rows (ranks.csv): bytes sent and received per class; *_GBps = those bytes / the phase time (p50
+  of the per-iteration max across ranks), one direction.
+- Imbalance cost: right after an MoE job's phases, the same launch runs dispatch (counts exchange included)
+  and combine (weighted reduction included) again through the same code path on a balanced layout of the
+  same rows: same total rows, row sizes, tokens per rank and send mode, every (src, dst) pair (self
+  included) total / world^2 rows (the remainder one row per pair), so every rank sends and receives the same
+  rows; both are verified. skew_cost = time / balanced time (1 = skew costs nothing); skew_bw_loss_pct =
+  100 x (1 - (total bytes / time) / (balanced bytes / balanced time)). Uniform routing is random, so it shows
+  the cost of statistical imbalance alone.
+- GB = 1e9 bytes; GB/s = 1e9 bytes per second; time in microseconds.
+- #wrong: mismatched bytes after dispatch and the balanced all-to-all, mismatched output elements after
+  combine (float64 reference, tolerance 1e-4 x sum |w x| + 1e-6), summed over ranks and timed iterations;
+  0 = every timed iteration verified. Before each timed iteration every receive buffer is filled with a
+  sentinel (0xFF bytes: a row header no (src, token) has, NaN as bf16/fp32), outside the timer, so an
+  iteration that moves nothing cannot pass on stale bytes. check (a column of every row): checksum
+  (default) = each timed iteration's rows checksummed (header + sum of 8-byte words; a row whose checksum
+  differs counts all its bytes), combine output compared element by element, the last iteration verified
+  byte for byte; every = every timed iteration verified byte for byte (slower). Backends that move no data
+  (mock, sim): check n/a, #wrong n/a (empty), never 0.
+- maxvio = (max expert load - mean) / mean over experts; expert_cv = std / mean of expert loads;
+  expert_max_mean = max / mean.
+- Backends marked "emulated" do not measure the real interconnect (mock, simulators, CPU emulators): their
+  times and bandwidths are not hardware figures."""
+
+CLASS_SUFFIXES = ("GBps", "spec_GBps", "pct_spec", "agg_GBps", "agg_spec_GBps", "agg_pct_spec")
+# Columns results_frame adds (always recomputed, so a re-render never trusts stale saved values).
+DERIVED_COLUMNS = (
+    "algbw_GBps",
+    "busbw_GBps",
+    "per_gpu_GBps",
+    "spec_name",
+    "spec_GBps",
+    "pct_spec",
+    "agg_GBps",
+    "agg_spec_GBps",
+    "pct_agg_spec",
+    *(f"{name}_{suffix}" for name in ("nvlink", "scaleout") for suffix in CLASS_SUFFIXES),
+    "skew_cost",
+    "skew_bw_loss_pct",
+)
+# Per-rank columns rank_frame adds: {class}_{send,recv}_GBps from {class}_{sent,recv}_bytes.
+RANK_CLASSES = ("link", "nvlink", "scaleout")
+RANK_DERIVED_COLUMNS = tuple(f"{c}_{d}_GBps" for c in RANK_CLASSES for d in ("send", "recv"))
+
+_REQUIRED_COLUMNS = ("size_bytes", "time_us_p50", "max_send_link_bytes", "max_recv_link_bytes")
+
+
+def gbps(num_bytes: pd.Series, time_us: pd.Series) -> pd.Series:
+    """Bytes moved in ``time_us`` microseconds, in GB/s (1e9 B/s): bytes / (time_us * 1e3); NaN where the
+    time is not positive. Every bandwidth of the report is this one formula."""
+    time = time_us.astype(float).where(time_us.astype(float) > 0)
+    return num_bytes.astype(float) / (time * 1e3)
+
+
+def _numeric(frame: pd.DataFrame, column: str) -> pd.Series:
+    """A column as floats; all-NaN where the rows lack it (older results, balanced rows of old versions)."""
+    if column not in frame.columns:
+        return pd.Series(np.nan, index=frame.index, dtype=float)
+    return pd.to_numeric(frame[column], errors="coerce").astype(float)
+
+
+def _as_frame(rows: Iterable[dict[str, Any]] | pd.DataFrame, derived: Iterable[str]) -> pd.DataFrame:
+    frame = rows.copy() if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
+    return frame.drop(columns=[c for c in derived if c in frame.columns])
+
+
+def results_frame(
+    rows: Iterable[dict[str, Any]] | pd.DataFrame, spec: SystemSpec | None = None
+) -> pd.DataFrame:
+    """Harness result rows as a DataFrame plus ``DERIVED_COLUMNS`` (see CONVENTIONS), in GB/s (1e9 B/s),
+    against ``spec`` (None: the catalogue's default spec, as ``--spec``'s default)."""
+    spec = spec if spec is not None else load_spec()
+    frame = _as_frame(rows, DERIVED_COLUMNS)
+    if frame.empty:
+        for column in DERIVED_COLUMNS:
+            frame[column] = pd.Series(dtype=object if column == "spec_name" else float)
+        return frame
+    missing = [c for c in _REQUIRED_COLUMNS if c not in frame.columns]
+    if missing:
+        raise UsageError(f"result rows lack column(s) {', '.join(missing)}; not a commbench results file?")
+    time_us = _numeric(frame, "time_us_p50")  # text in a hand-edited CSV is NaN, not a crash
+    world = _numeric(frame, "world_size")
+    domain_aggregate = spec.aggregate_GBps_per_direction(world)
+    frame["algbw_GBps"] = gbps(_numeric(frame, "size_bytes"), time_us)
+    bottleneck_link_bytes = np.maximum(
+        _numeric(frame, "max_send_link_bytes"), _numeric(frame, "max_recv_link_bytes")
+    )
+    frame["busbw_GBps"] = gbps(bottleneck_link_bytes, time_us)
+    frame["per_gpu_GBps"] = frame["busbw_GBps"]
+    frame["spec_name"] = spec.name
+    frame["spec_GBps"] = float(spec.nvlink_GBps_per_direction)
+    frame["pct_spec"] = 100.0 * frame["per_gpu_GBps"] / frame["spec_GBps"]
+    frame["agg_GBps"] = gbps(_numeric(frame, "link_bytes"), time_us)
+    frame["agg_spec_GBps"] = domain_aggregate
+    frame["pct_agg_spec"] = 100.0 * frame["agg_GBps"] / frame["agg_spec_GBps"]
+    per_gpu_spec = {"nvlink": spec.nvlink_GBps_per_direction, "scaleout": spec.nic_GBps_per_direction}
+    aggregate_spec = {
+        "nvlink": domain_aggregate,
+        "scaleout": spec.nic_GBps_per_direction * world,
+    }
+    for name in ("nvlink", "scaleout"):
+        columns = _class_columns(
+            _numeric(frame, f"{name}_bytes"),
+            _numeric(frame, f"{name}_bottleneck_bytes"),
+            time_us,
+            per_gpu_spec[name],
+            aggregate_spec[name],
+        )
+        for suffix, values in zip(CLASS_SUFFIXES, columns, strict=True):
+            frame[f"{name}_{suffix}"] = values
+    frame["skew_cost"], frame["skew_bw_loss_pct"] = _skew_cost(frame)
+    return frame
+
+
+def _class_columns(
+    carried: pd.Series,
+    bottleneck: pd.Series,
+    time_us: pd.Series,
+    per_gpu_spec: float,
+    aggregate_spec: pd.Series,
+) -> tuple[pd.Series, ...]:
+    """One link class's columns, in CLASS_SUFFIXES order. A spec figure is NaN where its achieved figure is
+    (no time, or rows without the class's bytes); percentages are NaN where the class carries nothing (no
+    claim about a link that was not used)."""
+    achieved = gbps(bottleneck, time_us)
+    aggregate = gbps(carried, time_us)
+    per_gpu = pd.Series(float(per_gpu_spec), index=carried.index).where(achieved.notna())
+    agg_spec = aggregate_spec.astype(float).where(aggregate.notna())
+    pct = (100.0 * achieved / per_gpu).where((carried > 0) & (per_gpu > 0))
+    agg_pct = (100.0 * aggregate / agg_spec).where((carried > 0) & (agg_spec > 0))
+    return achieved, per_gpu, pct, aggregate, agg_spec, agg_pct
+
+
+def _skew_cost(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
+    """(skew_cost, skew_bw_loss_pct) from the balanced reference the harness timed (rows that have one):
+    time / balanced time, and 100 x (1 - (total bytes / time) / (balanced bytes / balanced time))."""
+    time_us = _numeric(frame, "time_us_p50")
+    balanced_us = _numeric(frame, "balanced_time_us_p50")
+    balanced_bytes = _numeric(frame, "balanced_total_bytes")
+    valid = (time_us > 0) & (balanced_us > 0) & (balanced_bytes > 0)
+    skewed_bw = _numeric(frame, "total_bytes") / time_us
+    balanced_bw = balanced_bytes / balanced_us
+    return (time_us / balanced_us).where(valid), (100.0 * (1.0 - skewed_bw / balanced_bw)).where(valid)
+
+
+def rank_frame(rank_rows: Iterable[dict[str, Any]] | pd.DataFrame) -> pd.DataFrame:
+    """Harness rank rows as a DataFrame plus ``{link,nvlink,scaleout}_{send,recv}_GBps``: the rank's bytes of
+    the class sent (received) / the phase time (``phase_time_us_p50``), one direction; placed after the
+    byte columns, for the classes the rows have."""
+    frame = _as_frame(rank_rows, RANK_DERIVED_COLUMNS)
+    sources = [f"{c}_{side}_bytes" for c in RANK_CLASSES for side in ("sent", "recv")]
+    present = [(s, d) for s, d in zip(sources, RANK_DERIVED_COLUMNS, strict=True) if s in frame.columns]
+    if not present:
+        return frame
+    time_us = _numeric(frame, "phase_time_us_p50")
+    at = max(frame.columns.get_loc(source) for source, _ in present) + 1
+    for offset, (source, derived) in enumerate(present):
+        frame.insert(at + offset, derived, gbps(_numeric(frame, source), time_us))
+    return frame
+
+
+def average_bus_bandwidth(frame: pd.DataFrame) -> float:
+    """Mean busbw over rows (nccl-tests' "Avg bus bandwidth"); NaN without finite values."""
+    if frame.empty or "busbw_GBps" not in frame.columns:
+        return math.nan
+    values = frame["busbw_GBps"].astype(float)
+    values = values[np.isfinite(values)]
+    return float(values.mean()) if len(values) else math.nan

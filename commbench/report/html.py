@@ -1,0 +1,329 @@
+"""The human-readable pages of a report folder: summary.md and report.html (tables, plots as embedded PNG).
+
+Both read a ``results_frame``, the per-rank frame (``rank_frame``), meta.json's content and the spec; the
+figures come from ``commbench.report.frame``, the tables from ``commbench.report.tables``. Plots use
+matplotlib's object API (no pyplot: no global state, no display backend needed).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from commbench.inputs.specs import SystemSpec
+from commbench.plain import is_missing
+from commbench.report.frame import CONVENTIONS, average_bus_bandwidth
+from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
+from commbench.report.tables import (
+    SKEW_COST_NOTE,
+    any_emulated,
+    check_text,
+    fmt_int,
+    fmt_size,
+    fmt_text,
+    format_bandwidth,
+    format_table,
+    link_class_legend,
+    link_class_table,
+    pattern_tables,
+    skew_cost_table,
+    spec_legend,
+)
+
+
+def environment_lines(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """(item, value) of the environment meta.json recorded: command, host, versions, devices, env vars."""
+    env = meta.get("env") or {}
+    versions = env.get("versions") or {}
+    devices = env.get("devices") or []
+    device_text = ", ".join(f"{d.get('index')}: {d.get('name', d.get('error', '?'))}" for d in devices)
+    nvml = env.get("nvml") or {}
+    items = [
+        ("command", env.get("command") or " ".join(meta.get("argv", []))),
+        ("time (UTC)", env.get("time_utc")),
+        ("host", env.get("hostname")),
+        ("platform", env.get("platform")),
+        ("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v is not None)),
+        ("devices", device_text or "no CUDA devices"),
+        ("driver", nvml.get("driver_version")),
+        ("env vars", " ".join(f"{k}={v}" for k, v in (env.get("env_vars") or {}).items()) or "none set"),
+    ]
+    args = meta.get("args") or {}
+    if args:
+        items.append(("arguments", ", ".join(f"{k}={v}" for k, v in args.items())))
+    return [(k, str(v)) for k, v in items if v not in (None, "")]
+
+
+def topology_text(frame: pd.DataFrame, meta: dict[str, Any]) -> str | None:
+    """The run's NVLink-domain layout and how it was found (meta.json, else the result rows)."""
+    topology = meta.get("topology") or {}
+    if topology.get("description"):
+        return str(topology["description"])
+    if frame.empty or "num_domains" not in frame.columns:
+        return None
+    first = frame.iloc[0]
+    return (
+        f"{fmt_int(first.get('world_size'))} ranks in {fmt_int(first.get('num_domains'))} NVLink domain(s) "
+        f"of up to {fmt_int(first.get('ranks_per_domain'))} ranks; found by "
+        f"{fmt_text(first.get('layout_source'))}"
+    )
+
+
+def incomplete_reason(meta: dict[str, Any]) -> str | None:
+    """Why a stopped run's report is incomplete (meta.json ``status`` "incomplete"), or None for a run that
+    finished."""
+    if meta.get("status") != "incomplete":
+        return None
+    reason = meta.get("incomplete_reason")
+    return reason if isinstance(reason, str) and reason else "the run stopped before every case finished"
+
+
+def incomplete_note(meta: dict[str, Any]) -> str | None:
+    """The line the pages of a stopped run start with ("INCOMPLETE: <reason>. ..."), or None."""
+    reason = incomplete_reason(meta)
+    if reason is None:
+        return None
+    return f"INCOMPLETE: {reason}. Only the phases that finished before the run stopped are reported."
+
+
+def summary_markdown(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec) -> str:
+    """summary.md: conventions, spec, topology, environment, a table per pattern, link classes, skew cost."""
+    frame = with_knob_setting(frame)
+    parts = ["# commbench report", ""]
+    if incomplete_note(meta):
+        parts += [f"**{incomplete_note(meta)}**", ""]
+    if any_emulated(frame):
+        parts += ["**Emulated backend: times and bandwidths below are not hardware measurements.**", ""]
+    parts += ["## Conventions", "", "```", CONVENTIONS, "```", "", f"Spec: {spec_legend(spec)}.", ""]
+    if check_text(frame):
+        parts += [f"Check: {check_text(frame)}.", ""]
+    topology = topology_text(frame, meta)
+    if topology:
+        parts += [f"Topology: {topology}.", ""]
+    parts += ["## Environment", ""]
+    parts += [f"- {key}: `{value}`" for key, value in environment_lines(meta)]
+    parts.append("")
+    parts += ["## Results", ""]
+    for name, table in pattern_tables(frame, "markdown"):
+        parts += [f"### {name}", "", table, ""]
+    parts += [f"Avg bus bandwidth: {format_bandwidth(average_bus_bandwidth(frame))} GB/s", ""]
+    links = link_class_table(frame, "markdown")
+    if links:
+        parts += ["## By link class", "", link_class_legend(spec), "", links, ""]
+    costs = skew_cost_table(frame, "markdown")
+    if costs:
+        parts += ["## What skew costs", "", SKEW_COST_NOTE, "", costs, ""]
+    while parts and parts[-1] == "":
+        parts.pop()
+    return "\n".join(parts) + "\n"
+
+
+_PNG_URL = "data:image/png;base64,"
+_HTML_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; max-width: 1400px; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }
+th.num, td.num { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #f0f0f0; }
+pre { background: #f7f7f7; padding: 1em; white-space: pre-wrap; }
+.warning { color: #a00; font-weight: bold; }
+img { max-width: 100%; }
+"""
+
+
+def report_html(frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec) -> str:
+    """A self-contained HTML page: conventions, environment, tables and plots (PNG embedded as base64)."""
+    esc = html.escape
+    frame = with_knob_setting(frame)
+    ranks = with_knob_setting(ranks)
+    body = ["<h1>commbench report</h1>"]
+    if incomplete_note(meta):
+        body.append(f'<p class="warning">{esc(incomplete_note(meta) or "")}</p>')
+    if any_emulated(frame):
+        body.append('<p class="warning">Emulated backend: times and bandwidths are not hardware figures.</p>')
+    body += [
+        "<h2>Conventions</h2>",
+        f"<pre>{esc(CONVENTIONS)}</pre>",
+        f"<p>Spec: {esc(spec_legend(spec))}.</p>",
+    ]
+    if check_text(frame):
+        body.append(f"<p>Check: {esc(check_text(frame) or '')}.</p>")
+    topology = topology_text(frame, meta)
+    if topology:
+        body.append(f"<p>Topology: {esc(topology)}.</p>")
+    environment = format_table(["item", "value"], environment_lines(meta), "html", text_columns={0, 1})
+    body += ["<h2>Environment</h2>", environment, "<h2>Results</h2>"]
+    for name, table in pattern_tables(frame, "html"):
+        body += [f"<h3>{esc(name)}</h3>", table]
+    body.append(f"<p>Avg bus bandwidth: {format_bandwidth(average_bus_bandwidth(frame))} GB/s</p>")
+    links = link_class_table(frame, "html")
+    if links:
+        body += ["<h2>By link class</h2>", f"<p>{esc(link_class_legend(spec))}</p>", links]
+    costs = skew_cost_table(frame, "html")
+    if costs:
+        body += ["<h2>What skew costs</h2>", f"<p>{esc(SKEW_COST_NOTE)}</p>", costs]
+    body.append("<h2>Plots</h2>")
+    plots = [
+        ("Balanced all-to-all: bus bandwidth vs size", _plot_balanced(frame, spec)),
+        ("Achieved per-GPU bandwidth vs spec", _plot_per_gpu_vs_spec(frame, spec)),
+        *((f"Per-rank bytes: {title}", png) for title, png in _plot_ranks(ranks)),
+    ]
+    for title, png in plots:
+        if png:
+            body.append(f'<h3>{esc(title)}</h3><img alt="{esc(title)}" src="{_PNG_URL}{png}">')
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>commbench report</title>'
+        f"<style>{_HTML_STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plots
+
+
+def _figure_png(figure: Any) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _balanced_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The balanced all-to-all rows with a finite busbw."""
+    balanced = frame[frame["phase"] == "alltoall"] if "phase" in frame else frame.iloc[0:0]
+    return balanced[np.isfinite(balanced["busbw_GBps"].astype(float))] if not balanced.empty else balanced
+
+
+def _setting_keys(frame: pd.DataFrame) -> list[str]:
+    """One line per backend, and per knob setting in a sweep."""
+    return ["backend", KNOB_SETTING_COLUMN] if KNOB_SETTING_COLUMN in frame.columns else ["backend"]
+
+
+def _plot_balanced(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
+    from matplotlib.figure import Figure
+
+    balanced = _balanced_rows(frame)
+    if balanced.empty:
+        return None
+    figure = Figure(figsize=(8, 4.5))
+    axes = figure.add_subplot()
+    for key, group in balanced.groupby(_setting_keys(balanced), sort=False):
+        name = " ".join(str(part) for part in key) if isinstance(key, tuple) else str(key)
+        group = group.sort_values("size_bytes")
+        axes.plot(group["size_bytes"], group["busbw_GBps"], marker="o", label=f"{name} busbw")
+        axes.plot(group["size_bytes"], group["algbw_GBps"], marker=".", ls=":", label=f"{name} algbw")
+    axes.axhline(spec.nvlink_GBps_per_direction, color="red", linestyle="--", label=f"spec {spec.name}")
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("size: bytes each rank sends (B)")
+    axes.set_ylabel("GB/s (1e9 B/s), one direction")
+    axes.set_title("Balanced all-to-all: bus bandwidth vs size")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize="small")
+    return _figure_png(figure)
+
+
+def _case_label(record: dict[str, Any]) -> str:
+    parts = [fmt_text(record.get("pattern"))]
+    if record.get("phase") == "alltoall":
+        parts.append("peak " + fmt_size(record.get("size_bytes")).split(" (")[-1].rstrip(")"))
+    else:
+        parts.append(fmt_text(record.get("skew")))
+    parts.append(fmt_text(record.get("phase")))
+    if not is_missing(record.get(KNOB_SETTING_COLUMN)):
+        parts.append(str(record[KNOB_SETTING_COLUMN]))
+    return "\n".join(parts)
+
+
+def _plot_per_gpu_vs_spec(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
+    from matplotlib.figure import Figure
+
+    if frame.empty:
+        return None
+    # One bar per MoE row, plus the balanced sweep's peak busbw per backend (the best-case reference).
+    moe = frame[frame["phase"] != "alltoall"] if "phase" in frame else frame
+    balanced = _balanced_rows(frame)
+    if not balanced.empty:
+        balanced = balanced.sort_values("busbw_GBps").groupby(_setting_keys(balanced), sort=False).tail(1)
+    cases = pd.concat([balanced, moe])
+    cases = cases[np.isfinite(cases["per_gpu_GBps"].astype(float))]
+    if cases.empty:
+        return None
+    records = cases.to_dict("records")
+    figure = Figure(figsize=(max(6.0, 0.9 * len(records) + 2), 4.8))
+    axes = figure.add_subplot()
+    positions = np.arange(len(records))
+    values = cases["per_gpu_GBps"].astype(float).to_numpy()
+    bars = axes.bar(positions, values, color="tab:blue")
+    for bar, record in zip(bars, records, strict=True):
+        axes.annotate(
+            f"{record['pct_spec']:.2g}%",
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize="x-small",
+        )
+    axes.axhline(spec.nvlink_GBps_per_direction, color="red", linestyle="--", label=f"spec {spec.name}")
+    axes.set_yscale("log")
+    axes.set_xticks(positions, [_case_label(r) for r in records], fontsize="x-small")
+    axes.set_ylabel("per-GPU GB/s, one direction")
+    axes.set_title("Achieved per-GPU bandwidth (busbw) vs spec, labels: % of spec")
+    axes.grid(True, axis="y", which="both", alpha=0.3)
+    axes.legend(fontsize="small")
+    return _figure_png(figure)
+
+
+def _rank_case_title(values: dict[str, Any]) -> str:
+    """e.g. "deepseek-v3, skew zipf:1.2, token mode, 512 tokens/rank" (missing parts left out)."""
+    parts = [fmt_text(values.get("pattern"))]
+    if not is_missing(values.get("skew")):
+        parts.append(f"skew {values['skew']}")
+    if not is_missing(values.get("send_mode")):
+        parts.append(f"{values['send_mode']} mode")
+    if not is_missing(values.get("tokens_per_rank")):
+        parts.append(f"{int(values['tokens_per_rank'])} tokens/rank")
+    if not is_missing(values.get(KNOB_SETTING_COLUMN)):
+        parts.append(str(values[KNOB_SETTING_COLUMN]))
+    return ", ".join(parts)
+
+
+_RANK_CASE_KEYS = ("pattern", "skew", "send_mode", "tokens_per_rank", "size_bytes", KNOB_SETTING_COLUMN)
+_MAX_RANK_PLOTS = 12
+
+
+def _plot_ranks(ranks: pd.DataFrame) -> list[tuple[str, str]]:
+    """Per-rank sent/received bytes of each MoE case (where skew shows as one hot rank)."""
+    from matplotlib.figure import Figure
+
+    needed = {"rank", "phase", "sent_bytes", "recv_bytes"}
+    if ranks.empty or not needed <= set(ranks.columns):
+        return []
+    moe = ranks[ranks["phase"] != "alltoall"]
+    keys = [k for k in _RANK_CASE_KEYS if k in moe.columns]
+    if moe.empty:
+        return []
+    plots = []
+    grouped = moe.groupby(keys, sort=False, dropna=False) if keys else [((), moe)]
+    for key, case in list(grouped)[:_MAX_RANK_PLOTS]:
+        values = dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True))
+        title = _rank_case_title(values)
+        phases = list(dict.fromkeys(case["phase"]))
+        figure = Figure(figsize=(4.5 * len(phases) + 1, 3.5), layout="constrained")
+        for index, phase in enumerate(phases, start=1):
+            axes = figure.add_subplot(1, len(phases), index)
+            data = case[case["phase"] == phase].sort_values("rank")
+            positions = np.arange(len(data))
+            axes.bar(positions - 0.2, data["sent_bytes"] / 1e6, width=0.4, label="sent")
+            axes.bar(positions + 0.2, data["recv_bytes"] / 1e6, width=0.4, label="received")
+            axes.set_xticks(positions, [str(r) for r in data["rank"]], fontsize="x-small")
+            axes.set_xlabel("rank")
+            axes.set_ylabel("MB (1e6 B), self included")
+            axes.set_title(phase)
+            axes.legend(fontsize="x-small")
+        figure.suptitle(title)
+        plots.append((title, _figure_png(figure)))
+    return plots

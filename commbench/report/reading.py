@@ -1,0 +1,275 @@
+"""A saved report folder read back with every file checked before anything is rendered or written.
+
+``read_report`` refuses, with one line naming the file (UsageError, exit 2), a folder whose files are cut or
+malformed:
+
+- every file is read bounded (``MAX_META_BYTES``, ``MAX_CSV_BYTES``), must be a regular file and UTF-8 text;
+  nothing is unpickled (CSV and JSON only);
+- meta.json: a JSON object whose known keys (``args``, ``env``, ``topology``, ``spec``, ``system_spec``,
+  ``status``, ...) have the types commbench writes;
+- results.csv and ranks.csv: whole rows (the last line ends with a line break, every row has the header's
+  number of fields, quotes closed), unique column names, the required columns, non-empty ``pattern`` and
+  ``phase``, and numbers in numeric columns (finite; whole numbers within int64 in byte, count and rank
+  columns). Empty cells are missing values (a balanced row has no skew, mock's #wrong is n/a).
+
+Only empty cells read as missing: text such as "n/a" or "None" stays text, as the run wrote it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from commbench.errors import UsageError
+from commbench.inputs.userfiles import clip, decode_user_text, kind_of, read_user_bytes, show_path
+
+# meta.json holds the environment and the layout (a few KiB; ~100 bytes per rank): 32 MiB is ~300,000 ranks.
+MAX_META_BYTES = 32 << 20
+# ~1 KiB per result row and ~300 bytes per rank row: 256 MiB is a 1,000-rank run of ~800 phases.
+MAX_CSV_BYTES = 256 << 20
+
+_DAMAGED = "the file is cut or damaged: restore it or run the benchmark again"
+
+# Text columns the harness writes (read as text, exactly as written); the first two may not be empty.
+TEXT_COLUMNS = (
+    "pattern",
+    "phase",
+    "backend",
+    "backend_name",
+    "skew",
+    "send_mode",
+    "dispatch_dtype",
+    "layout_source",
+    "nvlink_bottleneck_dir",
+    "scaleout_bottleneck_dir",
+    "check",
+    "knobs",
+    "spec_name",
+)
+_NON_EMPTY = ("pattern", "phase")
+# Text columns whose empty cells the rows hold as "" (not NaN).
+_EMPTY_AS_TEXT = ("knobs", "nvlink_bottleneck_dir", "scaleout_bottleneck_dir")
+RESULT_COLUMNS = (
+    "pattern",
+    "phase",
+    "size_bytes",
+    "time_us_p50",
+    "max_send_link_bytes",
+    "max_recv_link_bytes",
+)
+RANK_COLUMNS = ("pattern", "phase", "rank")
+
+_WHOLE_NAMES = frozenset(
+    (
+        "world_size",
+        "tokens_per_rank",
+        "topk",
+        "hidden",
+        "seed",
+        "warmup",
+        "iters",
+        "row_bytes",
+        "num_domains",
+        "ranks_per_domain",
+        "wrong",
+        "rank",
+        "domain",
+        "host",
+    )
+)
+_WHOLE_SUFFIXES = ("_bytes", "_bottleneck_rank")
+_NUMBER_NAMES = frozenset(
+    ("expert_max_mean", "maxvio", "expert_cv", "skew_cost", "skew_bw_loss_pct", "pct_spec", "pct_agg_spec")
+)
+_NUMBER_SUFFIXES = ("_GBps", "_pct_spec", "_us_min", "_us_p50", "_us_p99", "_us_mean")
+_INT64_LIMIT = 2.0**63
+
+_NULL = type(None)
+# Known keys of meta.json and the types commbench writes there (null: the pages treat it as absent).
+_META_TYPES: dict[str, tuple[type, ...]] = {
+    "commbench_version": (str, _NULL),
+    "subcommand": (str, _NULL),
+    "args": (dict, _NULL),
+    "backend_choice": (str, _NULL),
+    "argv": (list,),
+    "command": (str, _NULL),
+    "env": (dict, _NULL),
+    "topology": (dict, _NULL),
+    "spec": (dict, _NULL),
+    "system_spec": (dict, _NULL),
+    "status": (str,),
+    "incomplete_reason": (str, _NULL),
+}
+_ENV_TYPES: dict[str, tuple[type, ...]] = {
+    "versions": (dict, _NULL),
+    "devices": (list, _NULL),
+    "nvml": (dict, _NULL),
+    "env_vars": (dict, _NULL),
+    "argv": (list, _NULL),
+}
+_TOPOLOGY_TYPES: dict[str, tuple[type, ...]] = {"description": (str, _NULL), "method": (str, _NULL)}
+STATUSES = ("complete", "incomplete")
+
+
+def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """meta.json of a report folder, checked (see the module docstring); UsageError naming the file."""
+    where = f"report file {show_path(path)}"
+    text = decode_user_text(read_user_bytes(path, "report file", MAX_META_BYTES), where)
+    try:
+        meta = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(
+            f"cannot read {where}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+            f"{_DAMAGED}"
+        ) from None
+    except (ValueError, RecursionError) as exc:  # a 5000-digit number, nesting deeper than Python's stack
+        raise UsageError(f"cannot read {where}: {clip(str(exc) or type(exc).__name__)}; {_DAMAGED}") from None
+    if not isinstance(meta, dict):
+        raise UsageError(f"{where} is not a JSON object (it holds {kind_of(meta)}); {_DAMAGED}")
+    _check_types(meta, _META_TYPES, where, "")
+    _check_types(meta.get("env") or {}, _ENV_TYPES, where, "env.")
+    _check_types(meta.get("topology") or {}, _TOPOLOGY_TYPES, where, "topology.")
+    env = meta.get("env") or {}
+    for name in ("argv",):
+        for key, values in ((name, meta.get(name)), (f"env.{name}", env.get(name))):
+            if isinstance(values, list) and not all(isinstance(value, str) for value in values):
+                raise UsageError(f"{where}: {key} must be a list of text; {_DAMAGED}")
+    devices = env.get("devices") or []
+    if not all(isinstance(device, dict) for device in devices):
+        raise UsageError(f"{where}: env.devices must be a list of JSON objects; {_DAMAGED}")
+    if "status" in meta and meta["status"] not in STATUSES:
+        raise UsageError(
+            f"{where}: status must be one of {', '.join(STATUSES)}, got {clip(repr(meta['status']))}; "
+            f"{_DAMAGED}"
+        )
+    return meta
+
+
+def _check_types(values: dict[str, Any], types: dict[str, tuple[type, ...]], where: str, prefix: str) -> None:
+    for key, allowed in types.items():
+        if key in values and not isinstance(values[key], allowed):
+            wanted = " or ".join(_TYPE_WORDS[kind] for kind in allowed)
+            raise UsageError(
+                f"{where}: {prefix}{key} must be {wanted}, got {kind_of(values[key])}; {_DAMAGED}"
+            )
+
+
+_TYPE_WORDS = {str: "text", dict: "a JSON object", list: "a list", _NULL: "null"}
+
+
+def read_rows(path: str | os.PathLike[str], required: Sequence[str] = RESULT_COLUMNS) -> pd.DataFrame:
+    """One CSV of a report folder (results.csv, ranks.csv), checked (see the module docstring) and read as
+    the run wrote it; UsageError naming the file and the line."""
+    where = f"report file {show_path(path)}"
+    text = decode_user_text(read_user_bytes(path, "report file", MAX_CSV_BYTES), where)
+    header, lines = _whole_rows(text, where)
+    missing = [column for column in required if column not in header]
+    if missing:
+        raise UsageError(
+            f"{where}: the rows lack column(s) {', '.join(missing)}; not a commbench results file?"
+        )
+    frame = pd.read_csv(
+        io.StringIO(text),
+        keep_default_na=False,
+        na_values=[""],
+        dtype={column: str for column in TEXT_COLUMNS if column in header},
+    )
+    for column in _NON_EMPTY:
+        if column in frame.columns and frame[column].isna().any():
+            line = lines[int(np.flatnonzero(frame[column].isna().to_numpy())[0])]
+            raise UsageError(f"{where}: line {line} has no {column}; {_DAMAGED}")
+    if "emulated" in frame.columns and not pd.api.types.is_bool_dtype(frame["emulated"]):
+        flags = frame["emulated"]
+        bad = flags.notna() & ~flags.astype(str).isin(("True", "False"))
+        if bad.any():
+            index = int(np.flatnonzero(bad.to_numpy())[0])
+            raise UsageError(
+                f"{where}: line {lines[index]}, column emulated: {clip(str(flags.iloc[index]))!r} is not "
+                f"True or False; {_DAMAGED}"
+            )
+    for column in frame.columns:
+        whole = column in _WHOLE_NAMES or column.endswith(_WHOLE_SUFFIXES)
+        if whole or column in _NUMBER_NAMES or column.endswith(_NUMBER_SUFFIXES):
+            frame[column] = _numbers(frame[column], whole, where, lines)
+    for column in _EMPTY_AS_TEXT:
+        if column in frame.columns:
+            frame[column] = frame[column].astype(object).where(frame[column].notna(), "")
+    return frame
+
+
+def _whole_rows(text: str, where: str) -> tuple[list[str], list[int]]:
+    """(header, the line each row ends on) of CSV ``text`` whose rows are all whole; UsageError otherwise."""
+    if not text.strip():
+        raise UsageError(f"{where} is empty; {_DAMAGED}")
+    if not text.endswith("\n"):
+        raise UsageError(f"{where}: the last row is cut (no line break after it); {_DAMAGED}")
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    lines: list[int] = []
+    try:
+        header = next(reader)
+        if len(set(header)) != len(header) or not all(header):
+            raise UsageError(f"{where}: the header repeats a column name or has an empty one; {_DAMAGED}")
+        for record in reader:
+            if len(record) != len(header):
+                raise UsageError(
+                    f"{where}: line {reader.line_num} has {len(record)} fields, the header {len(header)}; "
+                    f"{_DAMAGED}"
+                )
+            lines.append(reader.line_num)
+    except csv.Error as exc:
+        problem = clip(str(exc))
+        raise UsageError(f"{where}: bad CSV at line {reader.line_num} ({problem}); {_DAMAGED}") from None
+    return header, lines
+
+
+def _numbers(values: pd.Series, whole: bool, where: str, lines: list[int]) -> pd.Series:
+    """A numeric column as numbers, unchanged where it already is; UsageError at the first cell that is not
+    a finite number (a whole number within int64 where ``whole``)."""
+    if pd.api.types.is_bool_dtype(values):
+        return values
+    parsed = pd.api.types.is_numeric_dtype(values)  # pandas read the column as numbers: nothing to convert
+    numbers = values if parsed else pd.to_numeric(values, errors="coerce")
+    as_float = numbers.astype(float)
+    bad = np.isinf(as_float)
+    if not parsed:  # a cell pandas could not read as a number; text "nan" is a missing value, as in pandas
+        text = values.astype(str).str.strip().str.lower()
+        bad |= values.notna() & as_float.isna() & (text != "nan")
+    wanted = "a number"
+    if whole:
+        finite = as_float.where(np.isfinite(as_float))
+        bad |= (finite.abs() >= _INT64_LIMIT) | (finite % 1 != 0) & finite.notna()
+        wanted = "a whole number"
+    if bad.any():
+        index = int(np.flatnonzero(bad.to_numpy())[0])
+        shown = clip(str(values.iloc[index]))
+        raise UsageError(
+            f"{where}: line {lines[index]}, column {clip(str(values.name))}: {shown!r} is not {wanted}; "
+            f"{_DAMAGED}"
+        )
+    return values if parsed else numbers
+
+
+def read_report(out_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
+    """(meta, results rows, rank rows) of a report folder, as written, every file checked; UsageError naming
+    the file. A stopped run (meta.json status "incomplete") may have no results.csv yet: no rows."""
+    path = Path(out_dir)
+    meta_path = path / "meta.json"
+    meta = read_meta(meta_path) if meta_path.exists() else {}
+    results_csv = path / "results.csv"
+    if results_csv.exists():
+        results = read_rows(results_csv, RESULT_COLUMNS)
+    elif meta.get("status") == "incomplete":
+        results = pd.DataFrame()
+    else:
+        raise UsageError(f"{str(results_csv)!r} not found; pass a report folder written by 'commbench run'")
+    ranks_csv = path / "ranks.csv"
+    ranks = read_rows(ranks_csv, RANK_COLUMNS) if ranks_csv.exists() else pd.DataFrame()
+    return meta, results, ranks

@@ -1,0 +1,422 @@
+"""The one table printer (aligned text, GitHub Markdown, HTML) and the report's tables built on it.
+
+Every table commbench prints or writes goes through ``format_table``: the results table on stdout
+(``results_table``), the summary.md and report.html tables (``pattern_tables``, ``link_class_table``,
+``skew_cost_table``), ``commbench pattern``, ``topo`` and ``simulate``. A column whose cells all look numeric
+(a number, optionally followed by a unit, or a placeholder such as "-" or "n/a") is right-aligned, any other
+column left-aligned, so numbers line up on their last digit as in nccl-tests; a caller names the columns
+that hold text (``text_columns``) so that a text column of placeholders only stays left-aligned.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pandas as pd
+
+from commbench.inputs.specs import SystemSpec
+from commbench.plain import is_missing
+from commbench.report.frame import average_bus_bandwidth
+from commbench.report.knobs import KNOB_SETTING_COLUMN, varying_knobs
+
+STYLES = ("text", "markdown", "html")
+# Cells that stand for "no value" and must not make a numeric column left-aligned.
+_PLACEHOLDERS = frozenset({"", "-", "n/a", "nan", "inf", "-inf"})
+
+
+def _looks_numeric(cell: str) -> bool:
+    text = cell.strip()
+    if text.lower() in _PLACEHOLDERS:
+        return True
+    head = text.split(" ")[0].rstrip("%x")
+    try:
+        float(head)
+    except ValueError:
+        return False
+    return True
+
+
+def right_aligned(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], text_columns: Collection[int] = ()
+) -> list[bool]:
+    """Per column: True when every cell looks numeric (and there is at least one row), unless it is text."""
+    return [
+        bool(rows) and i not in text_columns and all(_looks_numeric(row[i]) for row in rows)
+        for i in range(len(headers))
+    ]
+
+
+def format_table(
+    headers: Sequence[str],
+    rows: Sequence[Sequence[str]],
+    style: str = "text",
+    *,
+    min_widths: Sequence[int] | None = None,
+    header_prefix: str = "",
+    row_prefix: str = "",
+    separator: str = "  ",
+    text_columns: Collection[int] = (),
+) -> str:
+    """Render ``rows`` (lists of already formatted cell strings) under ``headers``.
+
+    ``style`` is "text" (space-aligned; ``header_prefix``/``row_prefix`` let the header be a ``#`` comment
+    line as in nccl-tests' output), "markdown" (GitHub table with alignment colons) or "html" (a ``<table>``
+    with escaped cells; numeric columns get ``class="num"``). ``text_columns``: indices of columns that are
+    left-aligned whatever their cells look like.
+    """
+    if style not in STYLES:
+        raise ValueError(f"unknown table style {style!r}; choose one of {', '.join(STYLES)}")
+    headers = [str(h) for h in headers]
+    cells = [[str(c) for c in row] for row in rows]
+    for row in cells:
+        if len(row) != len(headers):
+            raise ValueError(f"table row has {len(row)} cells for {len(headers)} headers")
+    right = right_aligned(headers, cells, text_columns)
+    if style == "html":
+        return _html(headers, cells, right)
+    minimum = list(min_widths) if min_widths is not None else [0] * len(headers)
+    widths = [max([minimum[i], len(h)] + [len(row[i]) for row in cells]) for i, h in enumerate(headers)]
+
+    def aligned(row: Sequence[str]) -> list[str]:
+        return [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right, strict=True)]
+
+    if style == "markdown":
+        rule = [("-" * (w + 1) + ":") if r else ("-" * (w + 2)) for w, r in zip(widths, right, strict=True)]
+        lines = ["| " + " | ".join(aligned(headers)) + " |", "|" + "|".join(rule) + "|"]
+        lines += ["| " + " | ".join(aligned(row)) + " |" for row in cells]
+        return "\n".join(lines)
+    lines = [(header_prefix + separator.join(aligned(headers))).rstrip()]
+    lines += [(row_prefix + separator.join(aligned(row))).rstrip() for row in cells]
+    return "\n".join(lines)
+
+
+def _html(headers: list[str], cells: list[list[str]], right: list[bool]) -> str:
+    def cell(tag: str, text: str, numeric: bool) -> str:
+        attribute = ' class="num"' if numeric else ""
+        return f"<{tag}{attribute}>{html.escape(text)}</{tag}>"
+
+    head = "".join(cell("th", h, r) for h, r in zip(headers, right, strict=True))
+    body = "".join(
+        "<tr>" + "".join(cell("td", c, r) for c, r in zip(row, right, strict=True)) + "</tr>\n"
+        for row in cells
+    )
+    return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Cell formatters: "-" for a missing value
+
+
+def fmt_int(value: Any) -> str:
+    return "-" if is_missing(value) else str(int(value))
+
+
+def fmt_wrong(value: Any) -> str:
+    """#wrong: "n/a" where nothing was verified (a backend that moves no data), never a 0."""
+    return "n/a" if is_missing(value) else str(int(value))
+
+
+# What each value of the rows' ``check`` column means (RunOptions.check_mode; "n/a": nothing moved).
+CHECK_TEXT = {
+    "checksum": "checksum (receive buffers poisoned before every timed iteration; every iteration "
+    "checksummed, the last verified byte for byte)",
+    "every": "every (receive buffers poisoned before every timed iteration; every iteration verified "
+    "byte for byte: slower)",
+    "n/a": "n/a (no data moved: #wrong n/a)",
+    "off": "off (benchmark baseline: nothing verified, #wrong n/a)",
+}
+
+
+def check_text(frame: pd.DataFrame) -> str | None:
+    """How the rows' timed iterations were verified (their ``check`` column), in words; None without it."""
+    if "check" not in frame.columns:
+        return None
+    modes = [str(mode) for mode in dict.fromkeys(frame["check"]) if not is_missing(mode)]
+    return "; ".join(CHECK_TEXT.get(mode, mode) for mode in modes) or None
+
+
+def total_wrong_text(frame: pd.DataFrame) -> str:
+    """The sum of #wrong over the rows that were verified; "n/a" when none was (no data moved)."""
+    values = pd.to_numeric(frame["wrong"], errors="coerce")
+    verified = values.dropna()
+    if verified.empty:
+        return "n/a (no data moved)"
+    total = int(verified.sum())
+    unverified = int(values.isna().sum())
+    note = f" ({unverified} rows n/a: no data moved)" if unverified else ""
+    return f"{total}{note}{'  (DATA MISMATCH)' if total else ''}"
+
+
+def fmt_float(digits: int) -> Callable[[Any], str]:
+    def fmt(value: Any) -> str:
+        return "-" if is_missing(value) else f"{float(value):.{digits}f}"
+
+    return fmt
+
+
+def fmt_text(value: Any) -> str:
+    return "-" if is_missing(value) or value == "" else str(value)
+
+
+def fmt_size(value: Any) -> str:
+    """Bytes with a binary-unit hint, e.g. "1048576 (1 MiB)"."""
+    if is_missing(value):
+        return "-"
+    size = int(value)
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size} ({size / scale:.3g} {unit})"
+    return str(size)
+
+
+def format_bandwidth(value: Any) -> str:
+    """GB/s with 2 decimals (as nccl-tests), 3 significant digits below 1 GB/s (CPU and small sizes)."""
+    if is_missing(value):
+        return "-"
+    value = float(value)
+    return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
+
+
+def fmt_pct(value: Any) -> str:
+    """Percent with 3 significant digits below 100 (CPU runs reach tiny fractions of an NVLink spec)."""
+    if is_missing(value):
+        return "-"
+    value = float(value)
+    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+fmt_time = fmt_float(1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The report's tables: each a tuple of Columns over a results frame
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: its header, the frame column it reads (a table leaves out the columns its frame
+    lacks), the cell text of a row, whether it holds text (left-aligned) and its minimum width on stdout."""
+
+    header: str
+    source: str
+    cell: Callable[[dict[str, Any]], str]
+    text: bool = False
+    min_width: int = 0
+
+
+def _column(source: str, header: str, fmt: Callable[[Any], str], min_width: int = 0) -> Column:
+    """A column showing ``source`` through ``fmt``; a text column when ``fmt`` formats text."""
+    return Column(header, source, lambda record: fmt(record.get(source)), fmt is fmt_text, min_width)
+
+
+def _neck(name: str, header: str) -> Column:
+    """The bottleneck rank and direction of link class ``name``, e.g. "3 send"; "-" if it carries nothing."""
+
+    def cell(record: dict[str, Any]) -> str:
+        rank = record.get(f"{name}_bottleneck_rank")
+        if is_missing(rank) or int(rank) < 0:
+            return "-"
+        return f"{int(rank)} {fmt_text(record.get(f'{name}_bottleneck_dir'))}"
+
+    return Column(header, f"{name}_bottleneck_rank", cell)
+
+
+def _render(columns: Sequence[Column], frame: pd.DataFrame, style: str, **options: Any) -> str:
+    columns = [column for column in columns if column.source in frame.columns]
+    records = frame.to_dict("records")
+    return format_table(
+        [column.header for column in columns],
+        [[column.cell(record) for column in columns] for record in records],
+        style,
+        text_columns={i for i, column in enumerate(columns) if column.text},
+        **options,
+    )
+
+
+_KNOBS = _column(KNOB_SETTING_COLUMN, "knobs", fmt_text)
+_CASE = (_column("pattern", "pattern", fmt_text), _column("skew", "skew", fmt_text))
+_PHASE = _column("phase", "phase", fmt_text)
+_BACKEND = _column("backend", "backend", fmt_text)
+_SIZE = _column("size_bytes", "size(B)", fmt_size)
+_TIMES_AND_BANDWIDTHS = (
+    _column("time_us_p50", "time p50(us)", fmt_time),
+    _column("time_us_min", "min(us)", fmt_time),
+    _column("time_us_p99", "p99(us)", fmt_time),
+    _column("algbw_GBps", "algbw(GB/s)", format_bandwidth),
+    _column("busbw_GBps", "busbw(GB/s)", format_bandwidth),
+    _column("pct_spec", "%spec", fmt_pct),
+)
+_WRONG = _column("wrong", "#wrong", fmt_wrong)
+_BALANCED_TABLE = (_BACKEND, _KNOBS, _SIZE, *_TIMES_AND_BANDWIDTHS, _WRONG)
+_MOE_TABLE = (
+    _BACKEND,
+    _KNOBS,
+    _column("skew", "skew", fmt_text),
+    _column("send_mode", "send mode", fmt_text),
+    _column("tokens_per_rank", "tokens/rank", fmt_int),
+    _PHASE,
+    _SIZE,
+    *_TIMES_AND_BANDWIDTHS,
+    _column("agg_GBps", "agg(GB/s)", format_bandwidth),
+    _column("pct_agg_spec", "%agg", fmt_pct),
+    _column("maxvio", "maxvio", fmt_float(3)),
+    _WRONG,
+)
+
+
+def _class_columns(name: str, label: str, spec_label: str) -> tuple[Column, ...]:
+    """Link class ``name``'s per-GPU bandwidth, bottleneck, %spec, aggregate and %aggregate columns."""
+    return (
+        _column(f"{name}_GBps", f"{label}/GPU(GB/s)", format_bandwidth),
+        _neck(name, f"{label} neck"),
+        _column(f"{name}_pct_spec", f"%{spec_label} spec", fmt_pct),
+        _column(f"{name}_agg_GBps", f"{label} agg(GB/s)", format_bandwidth),
+        _column(f"{name}_agg_pct_spec", f"%{spec_label} agg", fmt_pct),
+    )
+
+
+# Every bandwidth is one direction.
+_LINK_CLASS_TABLE = (
+    *_CASE,
+    _PHASE,
+    _KNOBS,
+    _column("size_bytes", "size(B)", fmt_int),
+    _column("algbw_GBps", "algbw self incl.(GB/s)", format_bandwidth),
+    _column("busbw_GBps", "link bw self excl.(GB/s)", format_bandwidth),
+    _column("self_bytes", "self(B)", fmt_int),
+    _column("nvlink_bytes", "NVLink(B)", fmt_int),
+    _column("scaleout_bytes", "scale-out(B)", fmt_int),
+    *_class_columns("nvlink", "NVLink", "NVLink"),
+    *_class_columns("scaleout", "scale-out", "NIC"),
+)
+_SKEW_COST_TABLE = (
+    *_CASE,
+    _PHASE,
+    _KNOBS,
+    _column("maxvio", "maxvio", fmt_float(3)),
+    _column("total_bytes", "total(B)", fmt_int),
+    _column("time_us_p50", "time p50(us)", fmt_time),
+    _column("balanced_time_us_p50", "balanced p50(us)", fmt_time),
+    _column("skew_cost", "skew cost(x)", fmt_float(2)),
+    _column("skew_bw_loss_pct", "bw loss(%)", fmt_float(1)),
+)
+# stdout, nccl-tests style: fixed minimum widths so consecutive runs line up.
+_RESULTS_TABLE = (
+    _column("pattern", "pattern", fmt_text, 12),
+    _column("skew", "skew", fmt_text, 10),
+    _column("phase", "phase", fmt_text, 8),
+    _column("size_bytes", "size(B)", fmt_int, 10),
+    _column("time_us_p50", "time(us)", fmt_time, 9),
+    _column("algbw_GBps", "algbw(GB/s)", format_bandwidth, 11),
+    _column("busbw_GBps", "busbw(GB/s)", format_bandwidth, 11),
+    _column("pct_spec", "%spec", fmt_pct, 6),
+    _column("wrong", "#wrong", fmt_wrong, 6),
+    _column(KNOB_SETTING_COLUMN, "knobs", fmt_text, 5),  # a sweep's setting of each row, last
+)
+
+
+def results_table(frame: pd.DataFrame) -> str:
+    """The nccl-tests-style results table for stdout (a ``results_frame``), with an "Avg bus bandwidth"
+    footer and the total #wrong."""
+    setting = varying_knobs(frame)
+    if setting is not None:
+        frame = frame.assign(**{KNOB_SETTING_COLUMN: setting})
+    lines = []
+    if not frame.empty:
+        first = frame.iloc[0]
+        backends = ", ".join(dict.fromkeys(frame["backend"].astype(str))) if "backend" in frame else "?"
+        emulated = " (EMULATED timings)" if any_emulated(frame) else ""
+        lines.append(
+            f"# backend: {backends}{emulated}; ranks: {fmt_int(first.get('world_size'))}; "
+            f"spec: {fmt_text(first.get('spec_name'))} {fmt_text(first.get('spec_GBps'))} GB/s per GPU "
+            "per direction"
+        )
+        lines.append("# time = p50 over iterations of the max across ranks; GB = 1e9 B; see summary.md")
+        checked = check_text(frame)
+        if checked:
+            lines.append(f"# check: {checked}")
+    columns = [column for column in _RESULTS_TABLE if column.source in frame.columns]
+    widths = [column.min_width for column in columns]
+    lines.append(
+        _render(columns, frame, "text", min_widths=widths, header_prefix="# ", row_prefix="  ", separator=" ")
+    )
+    lines.append(f"# Avg bus bandwidth    : {format_bandwidth(average_bus_bandwidth(frame))} GB/s")
+    if "wrong" in frame.columns and not frame.empty:
+        lines.append(f"# Total #wrong         : {total_wrong_text(frame)}")
+    return "\n".join(lines)
+
+
+def any_emulated(frame: pd.DataFrame) -> bool:
+    """Whether any row comes from an emulated backend (bools may come back from CSV as text)."""
+    if "emulated" not in frame.columns:
+        return False
+    return bool(frame["emulated"].astype(str).str.lower().isin(["true", "1"]).any())
+
+
+def pattern_tables(frame: pd.DataFrame, style: str) -> list[tuple[str, str]]:
+    """(pattern name, table) per pattern in run order: the balanced sweep's columns for balanced
+    all-to-all rows, the MoE columns otherwise."""
+    if frame.empty:
+        return []
+    if "pattern" not in frame.columns:
+        groups = [("results", frame)]
+    else:
+        names = list(dict.fromkeys(frame["pattern"].astype(str)))
+        groups = [(name, frame[frame["pattern"].astype(str) == name]) for name in names]
+    tables = []
+    for name, group in groups:
+        balanced = "phase" in group.columns and bool((group["phase"] == "alltoall").all())
+        tables.append((name, _render(_BALANCED_TABLE if balanced else _MOE_TABLE, group, style)))
+    return tables
+
+
+def link_class_table(frame: pd.DataFrame, style: str) -> str | None:
+    """Per-link-class bytes and bandwidths of every result row; None for rows without link-class columns."""
+    if frame.empty or "nvlink_bytes" not in frame.columns:
+        return None
+    return _render(_LINK_CLASS_TABLE, frame, style)
+
+
+def skew_cost_table(frame: pd.DataFrame, style: str) -> str | None:
+    """The "what skew costs" table: MoE rows that carry a balanced reference time; None without any."""
+    if frame.empty or "balanced_time_us_p50" not in frame.columns:
+        return None
+    rows = frame[pd.to_numeric(frame["balanced_time_us_p50"], errors="coerce").notna()]
+    return None if rows.empty else _render(_SKEW_COST_TABLE, rows, style)
+
+
+def spec_legend(spec: SystemSpec) -> str:
+    """The spec figures the report compares with, and how they scale to the ranks used."""
+    per_gpu = spec.nvlink_GBps_per_direction
+    aggregate = spec.domain_aggregate_GBps_bidirectional
+    nic = spec.nic_GBps_per_direction
+    return (
+        f"{spec.name}: NVLink {per_gpu:g} GB/s per GPU per direction ({2 * per_gpu:g} GB/s bidirectional); "
+        f"NVLink-domain aggregate {aggregate:g} GB/s bidirectional for {spec.gpus_per_domain} GPUs = "
+        f"{aggregate / 2:g} GB/s per direction, scaled by ranks / {spec.gpus_per_domain}; scale-out NIC "
+        f"{nic:g} GB/s ({8 * nic:g} Gb/s) per GPU per direction"
+    )
+
+
+def link_class_legend(spec: SystemSpec) -> str:
+    """Which convention each column of the per-link-class table uses."""
+    nic = spec.nic_GBps_per_direction
+    return (
+        "All bandwidths are one direction, GB = 1e9 B. algbw self incl. = size / time (what the layer sees); "
+        "link bw self excl. = the bottleneck rank's link bytes / time (busbw). NVLink/GPU and scale-out/GPU "
+        "= the class's bottleneck rank (neck: rank and direction) bytes / time, against the per-GPU spec per "
+        f"direction (NVLink {spec.nvlink_GBps_per_direction:g} GB/s, NIC {nic:g} GB/s); agg = all bytes of "
+        "the class / time, against the aggregate per direction scaled to the ranks used (NVLink: domain "
+        f"aggregate / 2 x ranks / {spec.gpus_per_domain}; scale-out: ranks x {nic:g} GB/s)."
+    )
+
+
+SKEW_COST_NOTE = (
+    "skew cost = time / time of the same phase (same code path: packing, counts exchange, weighted "
+    "reduction) on a balanced layout of the same rows, every rank pair total / world^2 rows, timed right "
+    "after in the same launch (1 = skew costs nothing); bw loss = bandwidth lost against that balanced "
+    "layout."
+)

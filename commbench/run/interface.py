@@ -1,0 +1,91 @@
+"""The backend interface: the few functions a backend plugs into the harness (as nccl-tests' testEngine).
+
+The harness owns timing, verification and result rows; a backend only moves data. ``run_jobs`` gets the
+backend class and builds one instance per knob setting (``Backend(comm, options)``). Each of
+``exchange_counts``, ``dispatch`` and ``combine`` is one phase, run many times inside the timed region, so it
+must not allocate large buffers or loop over tokens in Python.
+
+Verification covers every timed iteration: before each one (outside the timer, before the barrier that
+starts it) the harness calls ``poison_receive_buffers``, so a call that silently moves nothing leaves a
+sentinel (``traffic.payload.poison_``) rather than the previous iteration's correct bytes. A backend that
+moves no data (``moves_data = False``: mock, sim) is not verified; its rows say #wrong n/a.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from commbench.traffic.plan import RankPlan
+
+
+class Backend(abc.ABC):
+    name: ClassVar[str] = ""
+    # True where timings are not measured on real hardware (mock, sim, shmem-emu): reports label them.
+    emulated: ClassVar[bool] = False
+    # False where nothing is transferred (mock, sim hand back the expected rows): no verification, #wrong n/a.
+    moves_data: ClassVar[bool] = True
+
+    def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
+        self.comm = comm  # commbench.run.dist.Comm
+        self.options = dict(options or {})
+
+    @property
+    def label(self) -> str:
+        """What the report's ``backend`` column shows (e.g. "nccl", "gloo", "shmem-emu (CPU emulator)")."""
+        return self.name
+
+    def knobs(self) -> dict[str, Any]:
+        """Performance options that land in every result row (e.g. num_blocks, chunk_bytes)."""
+        return {}
+
+    def setup(self, plan: RankPlan) -> None:  # noqa: B027 - optional hook
+        """Allocate buffers for ``plan`` (untimed)."""
+
+    def setup_peers(self, plans: Sequence[RankPlan]) -> None:  # noqa: B027 - optional hook
+        """Every rank's plan (``plans[src]``), given before ``setup`` (untimed). Only backends that model the
+        traffic instead of moving it need it; the harness builds these plans anyway to verify."""
+
+    def modelled_seconds(self) -> float | None:
+        """Emulated timing: the modelled duration of the last exchange_counts + dispatch (or combine) calls.
+        None (the default) = the harness measures the phase with its timer."""
+        return None
+
+    @abc.abstractmethod
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """All-to-all of the [world, slots] count matrix; returns recv_counts [world, slots], row = source."""
+
+    @abc.abstractmethod
+    def dispatch(self, tokens: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Send ``tokens[plan.send_token_index]`` (grouped by destination) and return the received rows,
+        uint8 [sum(recv_counts), plan.dispatch_row_bytes], in source-rank order, each source's rows in the
+        order that source sent them."""
+
+    @abc.abstractmethod
+    def combine(self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
+        """Send ``expert_out`` (one row per received dispatch row, same order) back to the token owners and
+        reduce into token order: out[t] = sum over send rows r of token t of plan.combine_weight[r] * row(r).
+        Returns float32 [plan.num_tokens, hidden]."""
+
+    def poison_receive_buffers(self) -> None:
+        """Fill every buffer a later dispatch or combine reads received data from (receive buffers, both
+        sides of double-buffered ones, unpack buffers) with ``traffic.payload.poison_`` (untimed; the
+        harness synchronizes after it and then enters a barrier, so no peer writes into a buffer being
+        poisoned). A backend that moves data must implement it, even as a no-op when each call returns a
+        freshly written buffer; one that moves none (``moves_data = False``) need not."""
+        if self.moves_data:
+            raise NotImplementedError(
+                f"backend {self.name} moves data but does not poison its receive buffers "
+                "(poison_receive_buffers): a stale buffer would pass verification"
+            )
+
+    def synchronize(self) -> None:
+        """Wait for outstanding device work (the harness calls it before reading a host clock)."""
+        if torch.cuda.is_available() and self.comm.device.type == "cuda":
+            torch.cuda.synchronize(self.comm.device)
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release buffers and communicators."""

@@ -1,0 +1,118 @@
+"""What to run: one dataclass per job kind (an MoE layer, a balanced all-to-all) and the run's options.
+
+Each job checks itself against the world size before any collective (``check``), so a bad job is a one-line
+UsageError on every rank instead of a hang. A job may carry its own backend options (a knob setting of a
+sweep, ``backend_options``), laid over ``RunOptions.backend_options`` (``job_backend_options``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from commbench.errors import UsageError
+from commbench.inputs.layout import build_layout
+from commbench.traffic.pattern import SEND_MODES
+from commbench.traffic.payload import HEADER_BYTES
+from commbench.traffic.plan import balanced_row_bytes
+from commbench.traffic.routing import RoutingConfig
+
+CORRUPT_PHASES = ("dispatch", "combine")
+# --check: "checksum" (default) checksums every timed iteration and verifies the last in full; "every"
+# verifies every timed iteration in full. Both poison the receive buffers before each timed iteration.
+CHECK_MODES = ("checksum", "every")
+# Benchmark-only (benchmarks/bench_check.py, never offered by the CLI): no poisoning, no verification at
+# all; rows say check "off" and #wrong n/a. The baseline the cost of checking is measured against.
+CHECK_OFF = "off"
+
+
+def _check_repeats(name: str, warmup: int, iters: int) -> None:
+    if iters < 1 or warmup < 0:
+        raise UsageError(f"job {name!r}: need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
+
+
+@dataclass
+class MoeJob:
+    """One MoE layer: every rank dispatches its routed tokens to the experts' ranks, then combines the
+    answers (two phases, each a row)."""
+
+    kind: ClassVar[str] = "moe"
+    name: str
+    routing: RoutingConfig
+    send_mode: str = "token"  # "token" (a row per (token, destination rank)) or "selection"
+    warmup: int = 5
+    iters: int = 20
+    backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
+
+    def check(self, world_size: int) -> None:
+        """UsageError unless the job can run on ``world_size`` ranks."""
+        _check_repeats(self.name, self.warmup, self.iters)
+        if self.routing.world_size != world_size:
+            raise UsageError(
+                f"job {self.name!r} is routed for {self.routing.world_size} ranks but {world_size} are "
+                f"running; set the routing world size to {world_size}"
+            )
+        model = self.routing.model
+        if model.dispatch_bytes_per_token < HEADER_BYTES:
+            raise UsageError(
+                f"job {self.name!r}: hidden size {model.hidden} is too small for the {HEADER_BYTES}-byte row "
+                f"header; use hidden >= {HEADER_BYTES}"
+            )
+        if self.send_mode not in SEND_MODES:
+            raise UsageError(
+                f"job {self.name!r}: unknown send mode {self.send_mode!r}; choose token or selection"
+            )
+
+
+@dataclass
+class BalancedJob:
+    """nccl-tests alltoall: per size, every rank sends ``size // world`` bytes to each rank (one row each)."""
+
+    kind: ClassVar[str] = "balanced"
+    name: str
+    sizes: list[int] = field(default_factory=list)  # bytes each rank sends in total
+    warmup: int = 5
+    iters: int = 20
+    backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
+
+    def check(self, world_size: int) -> None:
+        """UsageError unless every size can run on ``world_size`` ranks."""
+        _check_repeats(self.name, self.warmup, self.iters)
+        if not self.sizes:
+            raise UsageError(f"job {self.name!r}: a balanced all-to-all needs at least one size")
+        for size in self.sizes:
+            balanced_row_bytes(world_size, int(size))
+
+
+Job = MoeJob | BalancedJob
+
+
+@dataclass
+class RunOptions:
+    backend: str  # the backend's name (the caller resolves it to the class given to run_jobs)
+    backend_options: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 300.0
+    # Test hook: "dispatch" flips one received byte (dispatch and balanced all-to-all), "combine" changes one
+    # combined element, on rank 0 after timing and before verification.
+    corrupt: str | None = None
+    # Layout overrides (CPU runs, what-ifs): contiguous ranks per NVLink domain / per host; None = discover.
+    ranks_per_domain: int | None = None
+    ranks_per_host: int | None = None
+    # Rerun each MoE job's phases on a balanced layout of the same rows (the balanced_* columns).
+    imbalance_cost: bool = False
+    # How the timed iterations are verified (CHECK_MODES, or CHECK_OFF in benchmarks only).
+    check_mode: str = "checksum"
+
+    def check(self, world_size: int) -> None:
+        """UsageError for an unknown corruption phase or check mode, or layout overrides that do not fit
+        ``world_size``."""
+        if self.corrupt is not None and self.corrupt not in CORRUPT_PHASES:
+            raise UsageError(f"unknown corrupt phase {self.corrupt!r}; choose dispatch or combine")
+        if self.check_mode not in (*CHECK_MODES, CHECK_OFF):
+            raise UsageError(f"unknown check mode {self.check_mode!r}; choose {' or '.join(CHECK_MODES)}")
+        build_layout(world_size, self.ranks_per_domain, self.ranks_per_host)
+
+
+def job_backend_options(job: Job, opts: RunOptions) -> dict[str, Any]:
+    """The options the job's backend is built with: the run's, overlaid with the job's own setting."""
+    return {**opts.backend_options, **(job.backend_options or {})}

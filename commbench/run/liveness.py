@@ -1,0 +1,357 @@
+"""Rank liveness: one monitor per rank process for its heartbeats and stop signals, and process helpers.
+
+Each rank runs one daemon thread (``RankMonitor``) that publishes a heartbeat (``run.heartbeats.Beat``) every
+``beat_interval_s`` on a board (shared memory for spawned ranks, the group's c10d store under torchrun or
+Slurm). The thread runs while the main thread is blocked in a collective, so a waiting rank stays fresh and
+a stopped (SIGSTOP), frozen or vanished rank goes stale: a rank whose collective fails names the stale or
+departed peers (``RankMonitor.peers_text``).
+
+Stop signals (SIGINT, SIGTERM, SIGHUP): the first one raises ``StoppedError`` in the main thread at the next
+Python instruction (deferred inside ``deferred_stop()`` blocks, e.g. while rank 0 writes rows, so files
+stay whole); later ones are ignored (Ctrl-C reaches the launcher and every rank, and the launcher forwards
+it too). The thread also hears the signal (``signal.set_wakeup_fd``) while the main thread is blocked in C
+and ends the process itself ``STOP_GRACE_S`` later if it is still there. A spawned rank also watches its
+launcher: the kernel's parent-death signal (``PR_SET_PDEATHSIG``) and a parent-pid check on every beat turn
+a launcher's death into SIGTERM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import os
+import select
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from commbench.errors import StoppedError, signal_name
+from commbench.run.heartbeats import (
+    STORE_BOUND_S,
+    Beat,
+    Board,
+    BoardUnavailable,
+    StoreBoard,
+    describe_peers,
+    stale_after_s,
+)
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# After a stop signal, how long a rank's main thread gets to finish the iteration and write what it holds
+# before the monitor thread ends the process itself (it may be blocked in C on a peer that is gone).
+STOP_GRACE_S = 5.0
+LAUNCH_ID_VARIABLE = "COMMBENCH_LAUNCH_ID"  # set in spawned ranks: names their scratch files
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Processes
+
+
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of ``pid`` (R, S, D, T, t, Z, ...), None if it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            text = handle.read()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[-1].split()
+    return fields[0] if fields else None
+
+
+STATE_WORDS = {
+    "T": "stopped by a signal (state T: SIGSTOP, SIGTSTP or Ctrl-Z)",
+    "t": "stopped by a debugger (state t)",
+    "D": "in uninterruptible sleep (state D: a hung device, driver or file system)",
+    "Z": "exited, not yet reaped (state Z)",
+}
+
+
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def die_with_parent(signum: int = signal.SIGTERM) -> bool:
+    """Linux: ask the kernel to send ``signum`` to this process when its parent exits (PR_SET_PDEATHSIG)."""
+    libc = _libc()
+    return bool(libc is not None and libc.prctl(1, int(signum), 0, 0, 0) == 0)  # 1 = PR_SET_PDEATHSIG
+
+
+def name_process(name: str) -> None:
+    """Linux: the name ps/top show for this process (15 bytes at most), e.g. "commbench-r2"."""
+    libc = _libc()
+    if libc is not None:
+        libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # 15 = PR_SET_NAME
+
+
+def scratch_name(kind: str) -> str:
+    """A scratch file name for a rank of this launch, ``commbench-<kind>-<launch id>-<random>``: the
+    launcher removes whatever a stopped run left under that launch id (``remove_scratch``)."""
+    launch_id = os.environ.get(LAUNCH_ID_VARIABLE, "solo")
+    return f"commbench-{kind}-{launch_id}-{os.urandom(8).hex()}"
+
+
+def remove_scratch(launch_id: str) -> None:
+    """Remove the scratch files and folders of launch ``launch_id`` (/dev/shm and the temp folder)."""
+    for folder in {"/dev/shm", tempfile.gettempdir()}:
+        for path in glob.glob(os.path.join(folder, f"commbench-*-{launch_id}-*")):
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One rank's monitor
+
+_CURRENT: RankMonitor | None = None
+
+
+def current_monitor() -> RankMonitor | None:
+    return _CURRENT
+
+
+@contextlib.contextmanager
+def deferred_stop() -> Iterator[None]:
+    """A stop signal arriving inside the block takes effect at its end (rows and files are written whole)."""
+    monitor = _CURRENT
+    if monitor is None:
+        yield
+        return
+    with monitor.deferred():
+        yield
+
+
+class RankMonitor:
+    """This process's stop-signal handlers and heartbeat thread (``install`` in the main thread)."""
+
+    def __init__(
+        self, rank: int, parent_pid: int | None = None, on_hard_exit: Callable[[], None] | None = None
+    ):
+        self.rank = rank
+        self.parent_pid = parent_pid  # spawned ranks: the launcher, watched on every beat
+        self.on_hard_exit = on_hard_exit
+        self.signum: int | None = None
+        self.stop_at: float | None = None
+        self._raised = False
+        self._deferring = 0
+        self._stack: list[tuple[str, float]] = []
+        self._failed_in: tuple[str, float] | None = None
+        self.board: Board | None = None
+        self.world_size = 0
+        self.device = "cpu"
+        self.interval_s = 1.0
+        self.state = "running"
+        self._closed = threading.Event()
+        self._previous: dict[int, Any] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)
+        self._previous_wakeup: int | None = None
+        self._hard_signum = int(signal.SIGTERM)
+        self._thread = threading.Thread(target=self._loop, name="commbench-heartbeat", daemon=True)
+
+    @classmethod
+    def install(
+        cls, rank: int, parent_pid: int | None = None, on_hard_exit: Callable[[], None] | None = None
+    ) -> RankMonitor:
+        """Handlers for SIGINT, SIGTERM and SIGHUP and the heartbeat thread (main thread only)."""
+        global _CURRENT
+        monitor = cls(rank, parent_pid, on_hard_exit)
+        for signum in STOP_SIGNALS:
+            monitor._previous[signum] = signal.signal(signum, monitor._on_signal)
+        monitor._previous_wakeup = signal.set_wakeup_fd(monitor._wake_w, warn_on_full_buffer=False)
+        monitor._thread.start()
+        _CURRENT = monitor
+        return monitor
+
+    # -- stop signals (main thread) ---------------------------------------------------------------------
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:  # already stopping: Ctrl-C and the launcher's forward both arrive
+            return
+        self.signum = signum
+        self.stop_at = time.monotonic()
+        self.state = f"stopping ({signal_name(signum)})"
+        if self._deferring:
+            return
+        self._raised = True
+        raise self.stopped_error()
+
+    def launcher_gone(self) -> bool:
+        """A spawned rank whose launcher has exited (or is exiting: the kernel's parent-death signal comes
+        when the launcher's main thread ends, before this process is handed to a new parent)."""
+        if self.parent_pid is None:
+            return False
+        return os.getppid() != self.parent_pid or process_state(self.parent_pid) in (None, "Z", "X")
+
+    @property
+    def reason(self) -> str:
+        """Why this rank stops: "stopped by SIGTERM", or "the launcher (pid N) is gone"."""
+        if self.launcher_gone():
+            return f"the launcher (pid {self.parent_pid}) is gone"
+        return f"stopped by {signal_name(self.signum or signal.SIGTERM)}"
+
+    def stopped_error(self) -> StoppedError:
+        return StoppedError(self.signum or signal.SIGTERM, f"rank {self.rank}: {self.reason}")
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+        if not self._deferring and self.signum is not None and not self._raised:
+            self._raised = True
+            raise self.stopped_error()
+
+    # -- heartbeats ---------------------------------------------------------------------------------------
+
+    def attach(self, board: Board, world_size: int, device: str, interval_s: float) -> None:
+        """Publish on ``board`` from now on (after the process group is up)."""
+        self.world_size, self.device, self.interval_s = world_size, device, interval_s
+        self.board = board
+        self._publish()
+
+    def enter(self, operation: str) -> None:
+        self._stack.append((operation, time.time()))
+
+    def leave(self) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def activity(self) -> tuple[str, float]:
+        stack = list(self._stack)  # one atomic copy: the main thread pushes and pops
+        return " > ".join(name for name, _ in stack), (stack[-1][1] if stack else time.time())
+
+    def _beat(self) -> Beat:
+        activity, since = self.activity()
+        return Beat(
+            self.rank,
+            socket.gethostname(),
+            os.getpid(),
+            self.device,
+            time.time(),
+            activity,
+            since,
+            self.state,
+        )
+
+    def _publish(self) -> None:
+        board = self.board
+        if board is not None:
+            with contextlib.suppress(Exception):
+                board.publish(self._beat())
+
+    def note_failure(self) -> None:
+        """Remember the operation an error left (the innermost one: the first call wins) for the last beat."""
+        if self._failed_in is None:
+            self._failed_in = self.activity()
+
+    def leaving(self, state: str) -> None:
+        """Publish a last beat saying why this rank leaves ("finished", "failed", or the stop signal) and stop
+        beating."""
+        self.state = f"stopped by {signal_name(self.signum)}" if self.signum is not None else state
+        if self._failed_in is not None:
+            self._stack = [self._failed_in]
+        self._publish()
+        self._closed.set()
+        if self.board is not None:
+            self.board.flush(STORE_BOUND_S)
+
+    def linger_for_peers(self, bound_s: float) -> None:
+        """Rank 0 holding the group's store, leaving after a failure: wait (at most ``bound_s``) until every
+        peer that is still beating has left too, so that their error messages can still read who they were
+        waiting for; a stopped peer is stale and not waited for."""
+        board = self.board
+        if not isinstance(board, StoreBoard) or board.in_agent or self.rank != 0:
+            return
+        deadline = time.monotonic() + bound_s
+        stale_s = stale_after_s(self.interval_s)
+        while time.monotonic() < deadline:
+            try:
+                beats = board.read()
+            except BoardUnavailable:
+                return
+            now = time.time()
+            if not [
+                b
+                for r, b in beats.items()
+                if r != self.rank and b.state == "running" and now - b.wall < stale_s
+            ]:
+                return
+            time.sleep(min(0.2, self.interval_s))
+
+    def _loop(self) -> None:
+        while not self._closed.is_set():
+            with contextlib.suppress(OSError, ValueError):
+                ready, _, _ = select.select([self._wake_r], [], [], self.interval_s)
+                if ready:
+                    received = os.read(self._wake_r, 64)
+                    stops = [s for s in received if s in {int(sig) for sig in STOP_SIGNALS}]
+                    if stops and self.stop_at is None:
+                        self.stop_at = time.monotonic()
+                        self.state = f"stopping ({signal_name(stops[0])})"
+                        self._hard_signum = stops[0]
+            if self._closed.is_set():
+                return
+            self._publish()
+            if self.stop_at is None and self.launcher_gone():
+                os.kill(os.getpid(), signal.SIGTERM)  # the launcher is gone (PDEATHSIG not set or lost)
+            # Rank 0 writing its report (a deferred block) gets twice the grace.
+            grace = STOP_GRACE_S * (2 if self._deferring else 1)
+            if self.stop_at is not None and time.monotonic() - self.stop_at > grace:
+                self._hard_exit()
+
+    def _hard_exit(self) -> None:
+        """The main thread did not end within the grace: clean up and leave now."""
+        signum = self.signum or self._hard_signum
+        if self.on_hard_exit is not None:
+            with contextlib.suppress(Exception):
+                self.on_hard_exit()
+        with contextlib.suppress(Exception):
+            sys.stderr.write(f"commbench: rank {self.rank}: stopped by {signal_name(signum)}\n")
+            sys.stderr.flush()
+        os._exit(128 + int(signum))
+
+    def close(self) -> None:
+        """Stop the thread and restore the previous signal handlers (main thread)."""
+        global _CURRENT
+        self._closed.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
+        self._thread.join(2.0)
+        if self.board is not None:
+            self.board.close()
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(self._previous_wakeup if self._previous_wakeup is not None else -1)
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if _CURRENT is self:
+            _CURRENT = None
+
+    # -- naming peers --------------------------------------------------------------------------------------
+
+    def peers_text(self, timed_out: bool) -> str:
+        """Which peers this rank was waiting for, from their heartbeats; "" when nothing is known."""
+        board = self.board
+        if board is None or self.world_size < 2:
+            return ""
+        try:
+            beats = board.read()
+        except BoardUnavailable as exc:
+            return f"peers' heartbeats unavailable: {exc}"
+        return describe_peers(
+            beats, self.rank, self.world_size, self.activity()[0], self.interval_s, timed_out
+        )

@@ -1,0 +1,199 @@
+"""Result and rank rows of one phase, from its [src][dst] bytes and per-rank times only.
+
+Rows hold bytes, times and what was run (job case, backend, knobs, layout); no bandwidth: the report derives
+every GB/s and percentage from these columns. A phase's bytes are its Pattern matrix (self traffic in
+``total_bytes`` and ``size_bytes``, not in link columns); link classes (``traffic.links``) split them by the
+run's layout. Times: an iteration's time is the MAX over ranks (the bottleneck rank); rows report the
+min/p50/p99/mean of those, in microseconds. ``wrong`` sums every rank's checked iterations and ``check``
+says how they were checked (``RunOptions.check_mode``); a backend that moves no data has wrong None (n/a)
+and check "n/a". Knobs go in as data: one column per backend knob, and ``knobs``,
+a dict of the setting (the report writes it as "k=v k=v" text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from commbench.inputs.layout import Layout
+from commbench.run.interface import Backend
+from commbench.run.jobs import Job, MoeJob
+from commbench.traffic.links import link_class_byte_columns, per_rank_link_bytes
+
+# The job-case columns of a result row (None for a balanced all-to-all); rank rows repeat RANK_CASE_KEYS.
+CASE_KEYS = ("tokens_per_rank", "topk", "hidden", "skew", "send_mode", "dispatch_dtype", "seed")
+RANK_CASE_KEYS = ("skew", "send_mode", "tokens_per_rank")
+# Without a balanced reference (nothing routed): the imbalance-cost columns of an MoE phase row.
+NO_REFERENCE = {
+    "balanced_size_bytes": None,
+    "balanced_total_bytes": None,
+    "balanced_time_us_p50": float("nan"),
+}
+
+
+def byte_columns(matrix: np.ndarray) -> dict[str, int]:
+    """Byte columns of a [src][dst] byte matrix (nccl-tests alltoallv convention for size_bytes)."""
+    sent = matrix.sum(axis=1)
+    received = matrix.sum(axis=0)
+    diagonal = np.diag(matrix)
+    total = int(matrix.sum())
+    self_bytes = int(diagonal.sum())
+    return {
+        "size_bytes": int(max(sent.max(), received.max())),
+        "total_bytes": total,
+        "self_bytes": self_bytes,
+        "link_bytes": total - self_bytes,
+        "max_send_bytes": int(sent.max()),
+        "max_recv_bytes": int(received.max()),
+        "max_send_link_bytes": int((sent - diagonal).max()),
+        "max_recv_link_bytes": int((received - diagonal).max()),
+    }
+
+
+def time_columns(seconds: np.ndarray) -> dict[str, float]:
+    """seconds [ranks, iters] -> stats of the per-iteration max over ranks, in microseconds."""
+    bottleneck_us = seconds.max(axis=0) * 1e6
+    return {
+        "time_us_min": float(bottleneck_us.min()),
+        "time_us_p50": float(np.percentile(bottleneck_us, 50)),
+        "time_us_p99": float(np.percentile(bottleneck_us, 99)),
+        "time_us_mean": float(bottleneck_us.mean()),
+    }
+
+
+def imbalance_columns(expert_load: np.ndarray | None) -> dict[str, float | None]:
+    """expert_max_mean = max / mean, maxvio = (max - mean) / mean, expert_cv = std / mean of expert loads
+    (NaN when nothing was kept; None without experts, as in a balanced all-to-all)."""
+    if expert_load is None:
+        return {"expert_max_mean": None, "maxvio": None, "expert_cv": None}
+    load = expert_load.astype(np.float64)
+    mean = float(load.mean()) if load.size else 0.0
+    if mean <= 0:
+        return {"expert_max_mean": float("nan"), "maxvio": float("nan"), "expert_cv": float("nan")}
+    return {
+        "expert_max_mean": float(load.max() / mean),
+        "maxvio": float((load.max() - mean) / mean),
+        "expert_cv": float(load.std() / mean),
+    }
+
+
+def reference_columns(matrix: np.ndarray, seconds: np.ndarray) -> dict[str, Any]:
+    """The balanced_* columns an MoE phase row gets from its imbalance-cost reference (bytes, time)."""
+    return {
+        "balanced_size_bytes": byte_columns(matrix)["size_bytes"],
+        "balanced_total_bytes": int(matrix.sum()),
+        "balanced_time_us_p50": time_columns(seconds)["time_us_p50"],
+    }
+
+
+def row_knobs(backend: Backend, job: Job) -> dict[str, Any]:
+    """The backend's knobs (``knobs()``, effective values), then any option of the job's own setting that
+    the backend does not report (as itself or as "<backend>_<option>", as sim and mock do), so the rows of a
+    sweep's settings always differ in the ``knobs`` column."""
+    knobs = dict(backend.knobs())
+    for key, value in (job.backend_options or {}).items():
+        if f"{backend.name}_{key}" not in knobs:
+            knobs.setdefault(key, value)
+    return knobs
+
+
+@dataclass(frozen=True)
+class RowMaker:
+    """What every row of one job shares (the job's case, the backend, the layout); ``rows`` adds one phase's
+    bytes and times, and the backend's knobs as they are then (effective values may depend on the plan set
+    up, as shmem-emu's chunk_rows does)."""
+
+    job: Job
+    backend: Backend
+    layout: Layout
+    check: str = "checksum"  # the rows' check column: a RunOptions.check_mode, or "n/a"
+
+    def case(self) -> dict[str, Any]:
+        job = self.job
+        if not isinstance(job, MoeJob):
+            return dict.fromkeys(CASE_KEYS)
+        cfg = job.routing
+        model = cfg.model
+        values = (
+            cfg.tokens_per_rank,
+            model.topk,
+            model.hidden,
+            cfg.skew.text,
+            job.send_mode,
+            model.dispatch_dtype,
+            cfg.seed,
+        )
+        return dict(zip(CASE_KEYS, values, strict=True))
+
+    def rows(
+        self,
+        phase: str,
+        matrix: np.ndarray,
+        row_bytes: int,
+        seconds: np.ndarray,
+        wrong: int | None,
+        expert_load: np.ndarray | None = None,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        """(result row, rank rows) of one phase: ``matrix`` its [src][dst] bytes, ``seconds`` [ranks, iters]
+        every rank's timed iterations, ``wrong`` the sum over ranks (None: not checked), ``expert_load`` the
+        job's (MoE)."""
+        case = self.case()
+        layout, backend = self.layout, self.backend
+        knobs = row_knobs(backend, self.job)
+        times = time_columns(seconds)
+        row: dict[str, Any] = {
+            "pattern": self.job.name,
+            "phase": phase,
+            "backend": backend.label,
+            "backend_name": backend.name,
+            "emulated": bool(backend.emulated),
+            "world_size": layout.world_size,
+            **case,
+            "warmup": self.job.warmup,
+            "iters": self.job.iters,
+            "row_bytes": int(row_bytes),
+            **byte_columns(matrix),
+            "num_domains": layout.num_domains,
+            "ranks_per_domain": int(layout.domain_sizes.max()),
+            "layout_source": layout.method,
+            **link_class_byte_columns(matrix, layout.domain_of_rank),
+            **times,
+            "wrong": None if wrong is None else int(wrong),
+            "check": self.check,
+            **imbalance_columns(expert_load),
+            **backend.knobs(),
+            "knobs": knobs,
+        }
+        per_rank = per_rank_link_bytes(matrix, layout.domain_of_rank)
+        sent, received = per_rank["total_send_bytes"], per_rank["total_recv_bytes"]
+        self_bytes = per_rank["self_bytes"]
+        classes = {
+            "link": (sent - self_bytes, received - self_bytes),
+            "nvlink": (per_rank["nvlink_send_bytes"], per_rank["nvlink_recv_bytes"]),
+            "scaleout": (per_rank["scaleout_send_bytes"], per_rank["scaleout_recv_bytes"]),
+        }
+        rank_rows = []
+        for rank in range(layout.world_size):
+            record: dict[str, Any] = {
+                "pattern": self.job.name,
+                "phase": phase,
+                "backend": backend.label,
+                **{key: case[key] for key in RANK_CASE_KEYS},
+                "size_bytes": None if isinstance(self.job, MoeJob) else row["size_bytes"],
+                "rank": rank,
+                "domain": int(layout.domain_of_rank[rank]),
+                "host": int(layout.host_of_rank[rank]),
+                "sent_bytes": int(sent[rank]),
+                "recv_bytes": int(received[rank]),
+                "self_bytes": int(self_bytes[rank]),
+                "knobs": dict(knobs),
+            }
+            for name, (out, into) in classes.items():
+                record[f"{name}_sent_bytes"] = int(out[rank])
+                record[f"{name}_recv_bytes"] = int(into[rank])
+            record["time_us_p50"] = float(np.percentile(seconds[rank], 50) * 1e6)
+            record["phase_time_us_p50"] = times["time_us_p50"]
+            rank_rows.append(record)
+        return row, rank_rows

@@ -1,0 +1,123 @@
+"""Stopping a run never leaves ranks behind: SIGTERM, SIGHUP and SIGINT to the launcher (and Ctrl-C to its
+whole process group), a SIGKILLed launcher, and SIGTERM to one torchrun-style rank. Real 4-rank gloo runs of
+the CLI: every process of the run gone in time, no temporary folder left, the report folder whole and marked
+INCOMPLETE, the documented exit code and one line saying which signal stopped the run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from tests.run.processes import (
+    Lines,
+    check_report_files,
+    commbench_temp_left,
+    kill_marked,
+    marked_processes,
+    new_mark,
+    run_env,
+    seconds_until_gone,
+    start_torchrun_style,
+)
+
+# A balanced sweep whose first sizes finish in seconds and whose last ones take minutes: the signal comes
+# after two rows are written, while the run is far from done.
+RUN_ARGS = [
+    "run", "--backend", "gloo", "--pattern", "balanced", "--min-bytes", "1K", "--max-bytes", "16M",
+    "--step-factor", "4", "--iters", "300", "--warmup", "1", "--timeout", "20",
+]  # fmt: skip
+STARTUP_S = 240  # 4 ranks importing torch on a busy 2-core CI machine
+GONE_S = {"signal": 15.0, "kill": 20.0}
+
+
+def _check_incomplete_report(out, reason):
+    check_report_files(out)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["status"] == "incomplete", meta.get("status")
+    assert reason in meta["incomplete_reason"], meta["incomplete_reason"]
+    assert "INCOMPLETE" in (out / "summary.md").read_text()
+    rows = (out / "results.csv").read_text().splitlines()
+    assert len(rows) >= 3  # the header and the two sizes that finished before the signal
+
+
+@pytest.mark.parametrize(
+    ("how", "signum"),
+    [
+        ("launcher", signal.SIGTERM),
+        ("launcher", signal.SIGHUP),
+        ("launcher", signal.SIGINT),
+        ("group", signal.SIGINT),  # Ctrl-C in a terminal: the launcher and every rank get it
+        ("launcher", signal.SIGKILL),
+    ],
+    ids=["sigterm", "sighup", "sigint", "ctrl-c-group", "sigkill"],
+)
+def test_a_signal_to_the_launcher_ends_every_rank_and_keeps_what_finished(tmp_path, how, signum):
+    mark = new_mark()
+    out = tmp_path / "report"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "commbench", *RUN_ARGS, "--world-size", "4", "--out", str(out)],
+        env=run_env(tmp_path, mark),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell job has
+    )
+    stderr = Lines(launcher.stderr)
+    try:
+        assert stderr.wait_for("[2/", STARTUP_S), stderr.text(0)
+        ranks = [name for name in marked_processes(mark).values() if name.startswith("commbench-r")]
+        assert len(ranks) == 4, ranks  # ranks are named for ps/top
+        if how == "group":
+            os.killpg(launcher.pid, signum)
+        else:
+            launcher.send_signal(signum)
+        gone_s = seconds_until_gone(mark, GONE_S["kill" if signum == signal.SIGKILL else "signal"])
+        launcher.wait(30)
+        print(f"{how} {signal.Signals(signum).name}: last process gone {gone_s:.2f} s after the signal")
+        assert gone_s is not None, f"still running: {marked_processes(mark)}"
+    finally:
+        kill_marked(mark)
+    assert commbench_temp_left(tmp_path) == []
+    if signum == signal.SIGKILL:
+        assert launcher.returncode == -signal.SIGKILL
+        # The ranks noticed their launcher was gone; rank 0 still closed the report.
+        _check_incomplete_report(out, "the launcher")
+        return
+    name = signal.Signals(signum).name
+    assert launcher.returncode == 128 + signum
+    messages = stderr.messages()
+    assert messages[-1].startswith(f"commbench: stopped by {name}; all 4 ranks were stopped"), messages
+    assert "INCOMPLETE" in messages[-1] and "Traceback" not in stderr.text()
+    _check_incomplete_report(out, f"stopped by {name}")
+
+
+@pytest.mark.parametrize("victim", [0, 2])
+def test_sigterm_to_one_torchrun_rank_ends_it_and_its_peers_name_it(tmp_path, victim):
+    mark = new_mark()
+    out = tmp_path / "report"
+    argv = ["-m", "commbench", *RUN_ARGS, "--out", str(out)]
+    ranks = start_torchrun_style(argv, 4, run_env(tmp_path, mark))
+    stderr = [Lines(rank.stderr) for rank in ranks]
+    try:
+        assert stderr[0].wait_for("[2/", STARTUP_S), stderr[0].text(0)
+        ranks[victim].send_signal(signal.SIGTERM)
+        gone_s = seconds_until_gone(mark, GONE_S["signal"])
+        codes = [rank.wait(30) for rank in ranks]
+        print(f"torchrun-style rank {victim} SIGTERM: last process gone {gone_s:.2f} s after the signal")
+        assert gone_s is not None, f"still running: {marked_processes(mark)}"
+    finally:
+        kill_marked(mark)
+    expected = [143 if rank == victim else 4 for rank in range(4)]
+    assert codes == expected, [stderr[r].text()[-1500:] for r in range(4) if codes[r] != expected[r]]
+    assert stderr[victim].messages()[-1].startswith(f"commbench: rank {victim}: stopped by SIGTERM")
+    for rank in range(4):
+        if rank != victim:
+            last = stderr[rank].messages()[-1]
+            # The departure is the dead-rank error, naming who left and why.
+            assert last.startswith(f"commbench: error: rank {rank}: "), last
+            assert f"rank {victim} (host " in last and "left (stopped by SIGTERM" in last, last
+    assert commbench_temp_left(tmp_path) == []
+    _check_incomplete_report(out, "stopped by SIGTERM" if victim == 0 else f"rank {victim}")
