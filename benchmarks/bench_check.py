@@ -35,7 +35,7 @@ def entry(comm: Any, tokens: int, size: int, warmup: int, iters: int, rounds: in
     cfg = RoutingConfig(load_model("deepseek-v3"), parse_skew("uniform"), comm.world_size, tokens)
     jobs = [
         MoeJob("deepseek-v3", cfg, "token", warmup=warmup, iters=iters),
-        BalancedJob("balanced", [size], warmup=warmup, iters=iters),
+        BalancedJob("balanced", [size], warmup=warmup, iters=iters, timing="iteration"),
     ]
     results: dict[str, list] = {mode: [] for mode in MODES}
     for _ in range(rounds):

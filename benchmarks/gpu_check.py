@@ -1,32 +1,39 @@
 """One-GPU check of the NCCL and NVSHMEM paths (run by benchmarks/gpu_check.sh; < 5 minutes on one H200).
 
-Steps, each recorded even when an earlier one failed:
+Steps, each in its own process with its own timeout, each recorded even when an earlier one failed:
 
-1. environment: device, torch / Triton / NVSHMEM versions, the packages commbench imports;
+1. environment: device, torch / Triton / NVSHMEM versions, the NVSHMEM device bitcode commbench would hand to
+   torch's Triton linker, the packages commbench imports;
 2. copy ceiling: a large device-to-device ``copy_`` timed with CUDA events; bandwidth counts bytes read +
    written (2 x size / time), the HBM figure the loopback put kernel is compared with;
 3. the project's CLI (``python -m commbench run``) at world size 1, verification on: NCCL and NVSHMEM puts
    (default knobs) on deepseek-v3, and the torch ``all_to_all_vdev_2d`` reference variant on mixtral-8x22b
    in selection mode (torch's kernels take at most 16 experts per rank; deepseek-v3 has 256 at world 1);
-4. loopback put kernel: this process as PE 0 of a one-rank job puts deepseek-v3 dispatch rows to itself;
+4. loopback put kernel: a child process as PE 0 of a one-rank job puts deepseek-v3 dispatch rows to itself;
    dispatch and combine are verified, then the put kernel alone is launched back to back under CUDA events
    for a few (num_blocks, chunk_bytes) settings; bandwidth = 2 x bytes / time (read + write, as the copy),
-   reported as % of the copy ceiling (target >= 85 %).
+   reported as % of the copy ceiling (target >= 85 %). The child saves its figures after every setting.
 
-Writes gpu_check.json, gpu_check.csv, measurements.md (a section for docs/measurements.md) and cli_runs.log
-(the CLI runs' output) under --out, at most 8 files in all (the device tool returns no more); the CLI report
-folders go to a temporary folder. Prints a short table last. Exit 0 when every step passed and
-verification was clean, 1 otherwise, 2 when there is no GPU.
+NVSHMEM can end a process with abort() or a segfault instead of an exception, so this parent process never
+touches the GPU: a step that dies is recorded with its exit code or signal and its last stderr lines, and
+gpu_check.json, gpu_check.csv and measurements.md (a section for docs/measurements.md) are rewritten
+atomically under --out after every step, so what finished before survives an abort, a hang (killed at the
+step's timeout) and gpu_check.sh's overall limit (SIGTERM: the step running then is recorded as stopped).
+cli_runs.log keeps the CLI runs' output; at most 8 files in all (the device tool returns no more); the CLI
+report folders and the steps' result files go to a temporary folder. Prints a short table last. Exit 0 when
+every step passed and verification was clean, 1 otherwise, 2 when there is no GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import csv
 import datetime
 import importlib
 import importlib.metadata
+import io
 import json
 import os
 import platform
@@ -35,6 +42,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -43,7 +51,9 @@ from typing import Any
 TARGET_PERCENT = 85.0
 BUDGET_S = 265.0  # whole check; gpu_check.sh kills it at 285 s
 LOOPBACK_RESERVE_S = 75.0  # kept for the loopback step when the CLI steps run long
+TAIL_LINES = 12  # stderr lines kept for a step that failed
 REPO = Path(__file__).resolve().parent.parent
+RESULT_ENV = "GPU_CHECK_RESULT"  # where a step's process writes its result (JSON)
 
 
 def _version(dist_name: str) -> str | None:
@@ -53,36 +63,179 @@ def _version(dist_name: str) -> str | None:
         return None
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Whole file or nothing: a reader (or a kill mid-write) never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def exit_description(code: int | None) -> tuple[str, str | None]:
+    """("exit 1", None) or ("killed by SIGABRT", "SIGABRT") for a subprocess return code."""
+    if code is None:
+        return "still running", None
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}", name
+    return f"exit {code}", None
+
+
+class Stopped(Exception):
+    """SIGTERM / SIGINT to this script (gpu_check.sh's overall time limit): stop, record, write."""
+
+
 class Check:
-    def __init__(self, out: Path) -> None:
+    """The steps run so far, and the files written after each one."""
+
+    def __init__(self, out: Path, work: Path | None = None) -> None:
         self.out = out
+        self.work = work or Path(tempfile.mkdtemp(prefix="commbench-gpu-check-"))
+        self.work.mkdir(parents=True, exist_ok=True)
         self.steps: list[dict[str, Any]] = []
         self.started = time.monotonic()
 
     def remaining(self, reserve: float = 0.0) -> float:
         return BUDGET_S - (time.monotonic() - self.started) - reserve
 
+    def record(self, entry: dict[str, Any]) -> dict[str, Any]:
+        self.steps.append(entry)
+        print(f"[gpu_check] {entry['step']}: {entry['status']} ({entry.get('seconds', 0)} s)", flush=True)
+        write_outputs(self, self.out)
+        return entry
+
+    def _skipped(self, name: str, needs_s: float) -> dict[str, Any] | None:
+        if self.remaining() >= needs_s:
+            print(f"[gpu_check] {name} ...", flush=True)
+            return None
+        return self.record({"step": name, "status": "SKIP", "seconds": 0.0, "error": "out of time budget"})
+
     def step(self, name: str, fn: Any, needs_s: float = 10.0) -> dict[str, Any]:
+        """A step run in this process (one that only starts processes of its own, as ``cli_run``)."""
+        skipped = self._skipped(name, needs_s)
+        if skipped:
+            return skipped
         began = time.monotonic()
-        if self.remaining() < needs_s:
-            entry = {"step": name, "status": "SKIP", "seconds": 0.0, "error": "out of time budget"}
-            self.steps.append(entry)
-            print(f"[gpu_check] {name}: skipped (time budget)", flush=True)
-            return entry
-        print(f"[gpu_check] {name} ...", flush=True)
         try:
             result = fn() or {}
             status = result.pop("status", "ok")
+        except Stopped:
+            self.record({"step": name, "status": "FAIL", "error": "stopped by SIGTERM (overall time limit)"})
+            raise
         except Exception as exc:  # noqa: BLE001 - every step is recorded, the check goes on
             traceback.print_exc()
-            result, status = (
-                {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"},
-                "FAIL",
+            result, status = {"error": _one_line(exc)}, "FAIL"
+        return self.record({"step": name, "status": status, "seconds": _since(began), **result})
+
+    def isolated(
+        self, name: str, step: str, kwargs: dict[str, Any], timeout_s: float, needs_s: float = 10.0
+    ) -> dict[str, Any]:
+        """A GPU step of this file (``STEPS``) in a process of its own: ``process_step`` of its command."""
+        command = [sys.executable, "-X", "faulthandler", str(Path(__file__).resolve()), "--child", step]
+        return self.process_step(name, [*command, "--child-kwargs", json.dumps(kwargs)], timeout_s, needs_s)
+
+    def process_step(
+        self, name: str, command: list[str], timeout_s: float, needs_s: float = 10.0
+    ) -> dict[str, Any]:
+        """Run ``command`` as step ``name``: it writes its result (a JSON object) to the file named by
+        $GPU_CHECK_RESULT, as often as it likes. Whatever it wrote last is kept; a non-zero exit, a signal
+        or the timeout makes the step FAIL with that and the last stderr lines."""
+        skipped = self._skipped(name, needs_s)
+        if skipped:
+            return skipped
+        began = time.monotonic()
+        result_path = self.work / f"step{len(self.steps)}.json"
+        result_path.unlink(missing_ok=True)
+        env = {**os.environ, RESULT_ENV: str(result_path), "PYTHONPATH": _pythonpath()}
+        # Own session: on a timeout its children (NVSHMEM proxy threads, spawned ranks) go too.
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            errors="replace",
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        tails = {kind: collections.deque(maxlen=TAIL_LINES) for kind in ("stdout", "stderr")}
+        readers = [
+            threading.Thread(target=_forward, args=(stream, sink, tails[kind]), daemon=True)
+            for kind, stream, sink in (
+                ("stdout", process.stdout, sys.stdout),
+                ("stderr", process.stderr, sys.stderr),
             )
-        entry = {"step": name, "status": status, "seconds": round(time.monotonic() - began, 1), **result}
-        self.steps.append(entry)
-        print(f"[gpu_check] {name}: {status} ({entry['seconds']} s)", flush=True)
+        ]
+        for reader in readers:
+            reader.start()
+        problem = None
+        try:
+            process.wait(timeout=max(1.0, timeout_s))
+        except subprocess.TimeoutExpired:
+            problem = f"timed out after {timeout_s:g} s (killed)"
+        except Stopped:
+            problem = "stopped by SIGTERM (overall time limit)"
+        finally:
+            if process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            for reader in readers:
+                reader.join(timeout=5)
+        result = _read_result(result_path)
+        how, signal_name = exit_description(process.returncode)
+        entry: dict[str, Any] = {"step": name, "status": result.pop("status", "ok"), "seconds": _since(began)}
+        entry.update(result)
+        entry["exit_code"] = process.returncode
+        if signal_name:
+            entry["signal"] = signal_name
+        if problem or process.returncode != 0 or not result_path.exists():
+            entry["status"] = "FAIL"
+            tail = list(tails["stderr"]) or list(tails["stdout"])
+            entry["stderr_tail"] = tail
+            cause = problem or (how if result_path.exists() else f"{how} before writing a result")
+            last = tail[-1].strip() if tail else ""
+            entry["error"] = "; ".join(x for x in (cause, entry.get("error") or last) if x)[:300]
+        self.record(entry)
+        if problem and problem.startswith("stopped"):
+            raise Stopped()
         return entry
+
+
+def _since(began: float) -> float:
+    return round(time.monotonic() - began, 1)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _pythonpath() -> str:
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
+def _forward(stream: io.TextIOBase, sink: Any, tail: collections.deque) -> None:
+    """Copy a step's output into this process's (gpu_check.log) line by line, keeping the last lines."""
+    for line in iter(stream.readline, ""):
+        tail.append(line.rstrip("\n"))
+        with contextlib.suppress(ValueError, OSError):
+            sink.write(line)
+            sink.flush()
+
+
+def _read_result(path: Path) -> dict[str, Any]:
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The GPU steps (run in a child process: ``gpu_check.py --child NAME``).
 
 
 def environment() -> dict[str, Any]:
@@ -94,19 +247,9 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "device": torch.cuda.get_device_name(0),
-        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
         "triton": _version("triton"),
         "nvshmem": _version("nvidia-nvshmem-cu13") or _version("nvidia-nvshmem-cu12"),
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
     }
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        info["torch_nvshmem_available"] = bool(symm_mem.is_nvshmem_available())
-        info["has_all_to_all_vdev_2d"] = hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d")
-    except Exception as exc:  # noqa: BLE001
-        info["torch_nvshmem_available"] = f"error: {exc}"
     missing = []
     for module in ("numpy", "pandas", "click", "pyarrow", "matplotlib", "yaml", "pynvml", "commbench.cli"):
         try:
@@ -114,7 +257,30 @@ def environment() -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001
             missing.append(f"{module} ({type(exc).__name__})")
     info["missing_imports"] = missing
-    if missing:
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from commbench.backends.shmem import bitcode
+        from commbench.backends.shmem.symmetric import MIN_TORCH, torch_release
+
+        release = torch_release(str(torch.__version__))
+        info["torch_supported"] = release is None or release >= MIN_TORCH
+        info["torch_nvshmem_available"] = bool(symm_mem.is_nvshmem_available())
+        info["has_all_to_all_vdev_2d"] = hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d")
+        info["NVSHMEM_LIB_DIR"] = os.environ.get("NVSHMEM_LIB_DIR")
+        found = bitcode.find_device_bitcode(
+            bitcode.candidate_dirs(), lambda: torch.cuda.get_device_capability()
+        )
+        info["nvshmem_device_bitcode"] = os.path.realpath(found) if found else None
+    except Exception as exc:  # noqa: BLE001
+        info["torch_nvshmem_available"] = f"error: {exc}"
+    try:  # last, and apart: the versions above are recorded even when the GPU is unusable
+        info["device"] = torch.cuda.get_device_name(0)
+        info["sms"] = torch.cuda.get_device_properties(0).multi_processor_count
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    except Exception as exc:  # noqa: BLE001
+        info["error"] = f"no usable GPU: {_one_line(exc)}"
+    if missing or info.get("torch_supported") is False or "error" in info:
         info["status"] = "FAIL"
     return info
 
@@ -134,58 +300,12 @@ def copy_ceiling(size_bytes: int = 2 << 30, reps: int = 20) -> dict[str, Any]:
     end.synchronize()
     seconds = start.elapsed_time(end) / 1e3 / reps
     ok = bool(torch.equal(dst[:: 1 << 20], src[:: 1 << 20]))
-    del src, dst
-    torch.cuda.empty_cache()
     return {
         "bytes": size_bytes,
         "time_us": round(seconds * 1e6, 1),
         "copy_GBps": round(2 * size_bytes / seconds / 1e9, 1),
         "status": "ok" if ok else "FAIL",
     }
-
-
-def cli_run(out: Path, work: Path, name: str, args: list[str], timeout_s: float) -> dict[str, Any]:
-    """One ``commbench run`` (report folder under ``work``, output appended to ``out``/cli_runs.log)."""
-    folder = work / name
-    command = [sys.executable, "-m", "commbench", "run", "--world-size", "1", "--out", str(folder), *args]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    # Own session: on a timeout the spawned rank goes too, instead of spinning on the GPU as an orphan.
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=REPO,
-        start_new_session=True,
-    )
-    try:
-        output, _ = process.communicate(timeout=timeout_s)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        timed_out = True
-    with open(out / "cli_runs.log", "a") as log:
-        log.write(f"===== {name}: {' '.join(command[1:])}\n{output}\n")
-    result: dict[str, Any] = {"command": " ".join(command[1:]), "exit_code": process.returncode}
-    if timed_out:
-        return {**result, "status": "FAIL", "error": f"timed out after {timeout_s:g} s"}
-    rows_path = folder / "results.json"
-    if rows_path.exists():
-        loaded = json.loads(rows_path.read_text())
-        rows = loaded["results"] if isinstance(loaded, dict) and "results" in loaded else loaded
-        for row in rows if isinstance(rows, list) else []:
-            phase = row.get("phase")
-            result[f"{phase}_us"] = row.get("time_us_p50")
-            result[f"{phase}_algbw_GBps"] = row.get("algbw_GBps")
-            result[f"{phase}_wrong"] = row.get("wrong")
-    tail = output.strip().splitlines()
-    if process.returncode != 0:
-        result["error"] = tail[-1] if tail else f"exit {process.returncode}"
-    result["status"] = "ok" if process.returncode == 0 else "FAIL"
-    return result
 
 
 def _one_rank_comm(timeout_s: float) -> Any:
@@ -202,8 +322,12 @@ def _one_rank_comm(timeout_s: float) -> Any:
     return init_comm("nccl", timeout_s)
 
 
-def loopback(tokens: int, configs: list[dict[str, Any]], launches: int) -> dict[str, Any]:
-    """PE 0 puts deepseek-v3 dispatch rows to itself: verification, then the put kernel's bandwidth."""
+def loopback(
+    tokens: int, configs: list[dict[str, Any]], launches: int, progress: Any = None
+) -> dict[str, Any]:
+    """PE 0 puts deepseek-v3 dispatch rows to itself: verification, then the put kernel's bandwidth.
+
+    ``progress(result)`` after every setting: what was measured survives an abort in a later one."""
     import torch
 
     from commbench.backends.shmem.nvshmem import NvshmemBackend
@@ -234,9 +358,10 @@ def loopback(tokens: int, configs: list[dict[str, Any]], launches: int) -> dict[
         "rows": plan.num_send_rows,
         "dispatch_bytes": moved,
         "configs": [],
+        "wrong_total": 0,
     }
-    wrong_total = 0
     for options in configs:
+        print(f"[gpu_check]   loopback {options or 'default knobs'} ...", flush=True)
         backend = NvshmemBackend(comm, options)
         try:
             backend.setup(plan)
@@ -250,7 +375,7 @@ def loopback(tokens: int, configs: list[dict[str, Any]], launches: int) -> dict[
             backend.synchronize()
             reference, tolerance = expected_combine(plan, model.hidden)
             wrong_combine = count_wrong_combine(combined, reference, tolerance)
-            wrong_total += wrong_dispatch + wrong_combine
+            result["wrong_total"] += wrong_dispatch + wrong_combine
             layout = backend._phases["dispatch"]
             epoch = backend._trackers["dispatch"].epoch
             for _ in range(3):
@@ -271,44 +396,133 @@ def loopback(tokens: int, configs: list[dict[str, Any]], launches: int) -> dict[
             }
         except Exception as exc:  # noqa: BLE001 - one failing config must not hide the others
             traceback.print_exc()
-            entry = {
-                **options,
-                "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-            }
+            entry = {**options, "error": _one_line(exc)}
         finally:
             backend.close()
         print(f"[gpu_check]   loopback {entry}", flush=True)
         result["configs"].append(entry)
-    timed = [c for c in result["configs"] if "kernel_GBps" in c]
-    result["wrong_total"] = wrong_total
-    if timed:
-        result["default"] = timed[0]
-        result["best"] = max(timed, key=lambda c: c["kernel_GBps"])
-    result["status"] = "ok" if timed and len(timed) == len(configs) and wrong_total == 0 else "FAIL"
+        _loopback_summary(result, len(configs))
+        if progress is not None:
+            progress(result)
     return result
 
 
+def _loopback_summary(result: dict[str, Any], planned: int) -> None:
+    timed = [c for c in result["configs"] if "kernel_GBps" in c]
+    if timed:
+        result["default"] = timed[0]
+        result["best"] = max(timed, key=lambda c: c["kernel_GBps"])
+    done = len(timed) == planned and result["wrong_total"] == 0
+    result["status"] = "ok" if done else "FAIL"
+
+
+STEPS = {"environment": environment, "copy ceiling": copy_ceiling, "loopback": loopback}
+
+
+def child_main(step: str, kwargs: dict[str, Any]) -> int:
+    """One GPU step in this process; its result goes to $GPU_CHECK_RESULT (after every loopback setting)."""
+    path = Path(os.environ[RESULT_ENV])
+    sys.path.insert(0, str(REPO))
+
+    def save(result: dict[str, Any]) -> None:
+        write_atomic(path, json.dumps(result, indent=1, default=str))
+
+    try:
+        fn = STEPS[step]
+        result = fn(**kwargs, progress=save) if step == "loopback" else fn(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - the parent records it; the traceback goes to stderr
+        traceback.print_exc()
+        save({"status": "FAIL", "error": _one_line(exc)})
+        return 1
+    save(result)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The parent: CLI runs, the files, the order of the steps.
+
+
+def cli_run(out: Path, work: Path, name: str, args: list[str], timeout_s: float) -> dict[str, Any]:
+    """One ``commbench run`` (report folder under ``work``, output appended to ``out``/cli_runs.log)."""
+    folder = work / name
+    command = [sys.executable, "-m", "commbench", "run", "--world-size", "1", "--out", str(folder), *args]
+    env = {**os.environ, "PYTHONPATH": _pythonpath()}
+    # Own session: on a timeout the spawned rank goes too, instead of spinning on the GPU as an orphan.
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    timed_out = False
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except BaseException as exc:  # the timeout, or SIGTERM to this script (Stopped): the run goes too
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        if not isinstance(exc, subprocess.TimeoutExpired):
+            raise
+        timed_out = True
+    with open(out / "cli_runs.log", "a") as log:
+        log.write(f"===== {name}: {' '.join(command[1:])}\n{output}\n")
+    result: dict[str, Any] = {"command": " ".join(command[1:]), "exit_code": process.returncode}
+    if timed_out:
+        return {**result, "status": "FAIL", "error": f"timed out after {timeout_s:g} s"}
+    rows_path = folder / "results.json"
+    if rows_path.exists():
+        loaded = json.loads(rows_path.read_text())
+        rows = loaded["results"] if isinstance(loaded, dict) and "results" in loaded else loaded
+        for row in rows if isinstance(rows, list) else []:
+            phase = row.get("phase")
+            result[f"{phase}_us"] = row.get("time_us_p50")
+            result[f"{phase}_algbw_GBps"] = row.get("algbw_GBps")
+            result[f"{phase}_wrong"] = row.get("wrong")
+    tail = output.strip().splitlines()
+    if process.returncode != 0:
+        how, signal_name = exit_description(process.returncode)
+        if signal_name:
+            result["signal"] = signal_name
+        result["error"] = f"{how}: {tail[-1]}" if tail else how
+        result["output_tail"] = tail[-TAIL_LINES:]
+    result["status"] = "ok" if process.returncode == 0 else "FAIL"
+    return result
+
+
+CLI_STEPS = ("nccl world 1", "nvshmem world 1", "nvshmem vdev2d world 1")
+
+
+def _figure(step: dict[str, Any]) -> str:
+    """The table cell of a step: its figure, or why it has none."""
+    if not step:
+        return "not run"
+    if "error" in step:
+        return str(step["error"])[:120]
+    if step["step"] == "environment":
+        return f"{step.get('device')} torch {step.get('torch')}"
+    if step["step"] == "copy ceiling":
+        return f"{step.get('copy_GBps')} GB/s (read+write)"
+    if step["step"] in CLI_STEPS:
+        return (
+            f"dispatch {step.get('dispatch_us')} us #wrong {step.get('dispatch_wrong')}; "
+            f"combine {step.get('combine_us')} us #wrong {step.get('combine_wrong')}"
+        )
+    return "-"
+
+
 def write_outputs(check: Check, out: Path) -> tuple[list[list[str]], bool]:
+    """gpu_check.json, gpu_check.csv and measurements.md from the steps so far (each written atomically)."""
     steps = {s["step"]: s for s in check.steps}
     env = steps.get("environment", {})
     ceiling = steps.get("copy ceiling", {}).get("copy_GBps")
     loop = steps.get("loopback put kernel", {})
     table: list[list[str]] = [["check", "status", "figure"]]
-    table.append(["environment", env.get("status", "-"), f"{env.get('device')} torch {env.get('torch')}"])
-    table.append(
-        ["copy ceiling", steps.get("copy ceiling", {}).get("status", "-"), f"{ceiling} GB/s (read+write)"]
-    )
-    for name in ("nccl world 1", "nvshmem world 1", "nvshmem vdev2d world 1"):
-        s = steps.get(name, {})
-        figure = (
-            f"dispatch {s.get('dispatch_us')} us #wrong {s.get('dispatch_wrong')}; "
-            f"combine {s.get('combine_us')} us #wrong {s.get('combine_wrong')}"
-        )
-        if not s:
-            figure = "not run"
-        elif "error" in s:
-            figure = s["error"][:80]
-        table.append([name, s.get("status", "-"), figure])
+    for name in ("environment", "copy ceiling", *CLI_STEPS):
+        table.append([name, steps.get(name, {}).get("status", "-"), _figure(steps.get(name, {}))])
     percent = None
     passed_target = False
     for key in ("default", "best"):
@@ -322,6 +536,8 @@ def write_outputs(check: Check, out: Path) -> tuple[list[list[str]], bool]:
         knobs = f"blocks {config.get('num_blocks')} chunk {config.get('chunk_bytes')} B"
         figure = f"{config['kernel_GBps']} GB/s = {pct:.1f}% of copy ({knobs})" if pct else "-"
         table.append([f"loopback put ({key})", loop.get("status", "-"), figure])
+    if loop and "error" in loop:
+        table.append(["loopback put kernel", loop.get("status", "-"), _figure(loop)])
     verification = loop.get("wrong_total") == 0 and all(
         steps.get(n, {}).get("status") == "ok" for n in ("nccl world 1", "nvshmem world 1")
     )
@@ -344,9 +560,10 @@ def write_outputs(check: Check, out: Path) -> tuple[list[list[str]], bool]:
         "verification_clean": verification,
         "total_seconds": round(time.monotonic() - check.started, 1),
     }
-    (out / "gpu_check.json").write_text(json.dumps(summary, indent=2, default=str))
-    with open(out / "gpu_check.csv", "w", newline="") as handle:
-        csv.writer(handle).writerows(table)
+    write_atomic(out / "gpu_check.json", json.dumps(summary, indent=2, default=str))
+    buffer = io.StringIO()
+    csv.writer(buffer).writerows(table)
+    write_atomic(out / "gpu_check.csv", buffer.getvalue())
     lines = [
         f"## {env.get('date_utc')}: {env.get('device')} (gpu_check)",
         "",
@@ -355,12 +572,16 @@ def write_outputs(check: Check, out: Path) -> tuple[list[list[str]], bool]:
         "",
         "| check | status | figure |",
         "|---|---|---|",
-        *[f"| {a} | {b} | {c} |" for a, b, c in table[1:]],
+        *[f"| {a} | {b} | {c.replace('|', '/')} |" for a, b, c in table[1:]],
         "",
     ]
-    (out / "measurements.md").write_text("\n".join(lines))
+    write_atomic(out / "measurements.md", "\n".join(lines))
     ok = all(s["status"] in ("ok", "SKIP") for s in check.steps) and verification
     return table, ok
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise Stopped()
 
 
 def main() -> int:
@@ -372,32 +593,50 @@ def main() -> int:
     )
     parser.add_argument("--launches", type=int, default=50, help="back-to-back put kernels timed per config")
     parser.add_argument("--quick", action="store_true", help="one loopback config, no vdev2d run")
+    parser.add_argument("--child", choices=sorted(STEPS), help=argparse.SUPPRESS)
+    parser.add_argument("--child-kwargs", default="{}", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.child:
+        return child_main(args.child, json.loads(args.child_kwargs))
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     (out / "cli_runs.log").unlink(missing_ok=True)
-    sys.path.insert(0, str(REPO))
     # One GPU, one host: NVSHMEM needs no network transport, and its unique-id bootstrap may use loopback.
     os.environ.setdefault("NVSHMEM_REMOTE_TRANSPORT", "none")
     os.environ.setdefault("NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME", "lo")
-
-    import torch
+    import torch  # this process only counts devices (no CUDA context); the steps use the GPU
 
     if torch.cuda.device_count() < 1:
         print("gpu_check: no CUDA device on this machine; run it where a GPU is lent", file=sys.stderr)
-        (out / "gpu_check.json").write_text(json.dumps({"status": "no GPU"}))
+        write_atomic(out / "gpu_check.json", json.dumps({"status": "no GPU"}))
         return 2
-    work = Path(tempfile.mkdtemp(prefix="commbench-gpu-check-"))  # CLI report folders (many files)
+    signal.signal(signal.SIGTERM, _stop)
     check = Check(out)
-    check.step("environment", environment)
-    check.step("copy ceiling", copy_ceiling)
+    try:
+        run_steps(check, args)
+    except (Stopped, KeyboardInterrupt):
+        print("[gpu_check] stopped: the files hold every step finished so far", file=sys.stderr, flush=True)
+    table, ok = write_outputs(check, out)
+    widths = [max(len(str(row[i])) for row in table) for i in range(3)]
+    print()
+    for row in table:
+        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print(f"\nresults in {out} (gpu_check.json, gpu_check.csv, measurements.md, cli_runs.log)")
+    shutil.rmtree(check.work, ignore_errors=True)
+    return 0 if ok else 1
+
+
+def run_steps(check: Check, args: argparse.Namespace) -> None:
+    out, work = check.out, check.work
+
+    def budget(limit: float, reserve: float = LOOPBACK_RESERVE_S) -> float:
+        return max(10.0, min(limit, check.remaining(reserve)))
+
+    check.isolated("environment", "environment", {}, budget(60))
+    check.isolated("copy ceiling", "copy ceiling", {}, budget(60))
     # --timeout also bounds the NVSHMEM signal waits: a broken kernel fails in 30 s instead of spinning.
     timing = ["--tokens", str(args.tokens), "--warmup", "5", "--iters", "20", "--timeout", "30"]
     common = ["--model", "deepseek-v3", *timing]
-
-    def budget(limit: float) -> float:
-        return max(10.0, min(limit, check.remaining(LOOPBACK_RESERVE_S)))
-
     nccl = [*common, "--backend", "nccl"]
     check.step("nccl world 1", lambda: cli_run(out, work, "nccl", nccl, budget(90)), 30)
     nvshmem = [*common, "--backend", "nvshmem"]
@@ -425,15 +664,8 @@ def main() -> int:
             {"put": "blocking"},
             {"signal": "segment", "chunk_bytes": 512 * 1024},
         ]
-    check.step("loopback put kernel", lambda: loopback(args.loopback_tokens, configs, args.launches), 30)
-    table, ok = write_outputs(check, out)
-    widths = [max(len(str(row[i])) for row in table) for i in range(3)]
-    print()
-    for row in table:
-        print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)))
-    print(f"\nresults in {out} (gpu_check.json, gpu_check.csv, measurements.md, cli_runs.log)")
-    shutil.rmtree(work, ignore_errors=True)
-    return 0 if ok else 1
+    loop = {"tokens": args.loopback_tokens, "configs": configs, "launches": args.launches}
+    check.isolated("loopback put kernel", "loopback", loop, budget(120, reserve=0.0), 30)
 
 
 if __name__ == "__main__":

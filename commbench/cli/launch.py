@@ -50,15 +50,20 @@ class LaunchSettings:
     ranks_per_host: int | None
     imbalance_cost: bool
     check_mode: str  # --check: how the timed iterations are verified (RunOptions.check_mode)
+    timing: str | None  # --timing: every job's (jobs.TIMINGS), or None for each kind's default
 
     @classmethod
     def from_params(cls, params: dict[str, Any], quick: bool = False) -> LaunchSettings:
         """Takes (pops) the shared options out of a command's click parameters; UsageError without a world
-        size outside torchrun, or one that differs from torchrun's."""
+        size outside torchrun, or one that differs from torchrun's, and for --check every with --timing
+        window."""
+        from commbench.errors import UsageError
         from commbench.inputs.specs import DEFAULT_SPEC_NAME
         from commbench.run.dist import resolve_world_size
 
         values = {field.name: params.pop(field.name) for field in fields(cls)}
+        if values["check_mode"] == "every" and values["timing"] == "window":
+            raise UsageError("--check every needs --timing iteration")
         values["world_size"] = resolve_world_size(values["world_size"])
         values["spec_text"] = values["spec_text"] or DEFAULT_SPEC_NAME
         if values["warmup"] is None:
@@ -68,18 +73,28 @@ class LaunchSettings:
         return cls(**values)
 
 
+def job_timing(settings: LaunchSettings, kind_default: str) -> str:
+    """--timing if given, else the job kind's default; --check every (each timed iteration verified) turns a
+    window default into iteration timing."""
+    if settings.timing is not None:
+        return settings.timing
+    return "iteration" if settings.check_mode == "every" else kind_default
+
+
 def moe_job(cfg: RoutingConfig, send_mode: str, settings: LaunchSettings) -> Job:
     """An MoE case: dispatch and combine of ``cfg``'s routing."""
     from commbench.run.jobs import MoeJob
 
-    return MoeJob(cfg.model.name, cfg, send_mode, warmup=settings.warmup, iters=settings.iters)
+    timing = job_timing(settings, MoeJob.timing)
+    return MoeJob(cfg.model.name, cfg, send_mode, warmup=settings.warmup, iters=settings.iters, timing=timing)
 
 
 def balanced_job(sizes: list[int], settings: LaunchSettings) -> Job:
     """A balanced all-to-all size sweep (nccl-tests alltoall)."""
     from commbench.run.jobs import BalancedJob
 
-    return BalancedJob("balanced", sizes, warmup=settings.warmup, iters=settings.iters)
+    timing = job_timing(settings, BalancedJob.timing)
+    return BalancedJob("balanced", sizes, warmup=settings.warmup, iters=settings.iters, timing=timing)
 
 
 def _phases(job: Job) -> int:
@@ -157,6 +172,7 @@ def launch(
         ranks_per_host=settings.ranks_per_host,
         imbalance_cost=settings.imbalance_cost,
         check=settings.check_mode,
+        timing=settings.timing,  # None: each kind's default (the rows' timing column says which ran)
     )
     options = RunOptions(
         backend=backend,
@@ -359,6 +375,10 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
     env = capture_environment()
     env["argv"] = plan.meta.get("argv", env["argv"])
     env["command"] = plan.meta.get("command", env["command"])
+    from commbench.run.nccl_env import applied
+
+    if (nccl_errors := applied()) is not None:  # the TORCH_NCCL_* error handling this run used, and who chose it
+        env["nccl_error_handling"] = nccl_errors.to_meta()
     meta = {**plan.meta, "env": env, "topology": layout.to_meta()}
     writer = ReportWriter(plan.out_dir, meta, plan.spec, plan.out_claim)  # adds the spec to meta.json
     click.echo(f"commbench: topology: {layout.describe()}", err=True)
@@ -378,8 +398,8 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
             try:
                 frame = writer.finalize(incomplete=incomplete_reason(stopped_by))
                 if not frame.empty:
-                    click.echo(results_table(frame))
+                    click.echo(results_table(frame, writer.meta))
             except Exception as exc:  # never mask the original error
                 click.echo(f"commbench: could not finalize the partial report: {exc}", err=True)
         raise
-    click.echo(results_table(writer.finalize()))
+    click.echo(results_table(writer.finalize(), writer.meta))

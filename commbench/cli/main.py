@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 import commbench
+from commbench.cli.compare import baseline, compare
 from commbench.cli.fabric import simulate, topo
 from commbench.cli.pattern import pattern
 from commbench.cli.report import report
@@ -53,6 +54,13 @@ def _exit_if_stranded(code: int) -> None:
     heartbeats = sys.modules.get("commbench.run.heartbeats")  # loaded only by a launch
     if heartbeats is not None:
         heartbeats.exit_if_stranded(code)
+    nccl_env = sys.modules.get("commbench.run.nccl_env")
+    if code == 4 and nccl_env is not None and nccl_env.applied() is not None:
+        # NCCL communicators aborted after a timeout or a dead peer can block process-group teardown at exit:
+        # the error line is out, so leave without it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 # click >= 8.2 raises this for a group called without a command; older versions print the help themselves.
@@ -125,7 +133,7 @@ def cli() -> None:
     """
 
 
-for _command in (run, suite, pattern, report, topo, simulate):
+for _command in (run, suite, pattern, report, topo, simulate, baseline, compare):
     cli.add_command(_command)
 
 

@@ -1,7 +1,8 @@
 """Command-line option types and the options shared by several commands, each declared once.
 
 ``moe_options`` (the routing inputs) serve ``run`` and ``pattern``; the launch options (world size, backend,
-iterations, timeout, check mode, report folder, spec and layout overrides) serve ``run`` and ``suite``. Help
+iterations, timeout, check mode, timing, report folder, spec and layout overrides) serve ``run`` and
+``suite``. Help
 texts state units and defaults.
 """
 
@@ -216,8 +217,21 @@ CHECK = click.option(
     show_default=True,
     help="How the timed iterations are verified; before each one every receive buffer is filled with a "
     "sentinel, outside the timer. checksum: each timed iteration's output checksummed, the last verified "
-    "byte for byte; every: every timed iteration verified byte for byte (slower). Written in every result "
-    "row (check) and meta.json.",
+    "byte for byte; every: every timed iteration verified byte for byte (slower; needs --timing iteration). "
+    "With --timing window the window's last output is verified byte for byte (check window-last). Written "
+    "in every result row (check) and meta.json.",
+)
+# The choices are commbench.run.jobs.TIMINGS (not imported here: --help must not load torch).
+TIMING = click.option(
+    "--timing",
+    type=click.Choice(["window", "iteration"]),
+    default=None,
+    help="How each case is timed. window (nccl-tests' way): after the warm-up, one barrier, then one timer "
+    "around --iters back-to-back calls; time = window / iters per rank (one sample, max over ranks), and "
+    "only the window's last output is verified (check window-last). iteration: a barrier before every "
+    "timed call and one timer each; p50/p99 over iterations, every iteration verified. Default: window for "
+    "the balanced sweep (iteration with --check every), iteration for MoE dispatch/combine. Written in every "
+    "result row (timing).",
 )
 OUT = click.option(
     "--out",

@@ -42,6 +42,7 @@ QUICK_STEP_FACTOR = 4.0
 @opt.ITERS
 @opt.TIMEOUT
 @opt.CHECK
+@opt.TIMING
 @opt.OUT
 @click.option(
     "--corrupt",
@@ -113,6 +114,10 @@ def run(
         "mask_ratio": moe.mask_ratio,
         "capacity_factor": moe.capacity_factor,
         "seed": moe.seed,
+        # The balanced sweep's nccl-tests header (-b/-e/-f); warmup, iters, check and timing are shared.
+        "min_bytes": None if is_moe else min_bytes,
+        "max_bytes": None if is_moe else max_bytes,
+        "step_factor": None if is_moe else step_factor,
         "sizes": sizes,
     }
     launch("run", settings, jobs, args, option_pairs=option_pairs, corrupt=corrupt)
@@ -133,6 +138,7 @@ def run(
 @opt.SEED
 @opt.TIMEOUT
 @opt.CHECK
+@opt.TIMING
 @opt.OUT
 @opt.layout_options
 @opt.imbalance_cost_option(default=True)
@@ -167,6 +173,9 @@ def suite(tokens: int | None, seed: int, quick: bool, **params: Any) -> None:
         "model": SUITE_MODEL,
         "skews": list(SUITE_SKEWS),
         "tokens_per_rank": tokens,
+        "min_bytes": SUITE_MIN_BYTES,
+        "max_bytes": max_bytes,
+        "step_factor": step,
         "sizes": sizes,
         "seed": seed,
     }

@@ -1,7 +1,9 @@
 """What this machine shows about itself: GPUs (NVML), NVLink, fabric clique, NICs, libraries.
 
 Every probe here is lazy (``pynvml`` is imported only when called) and failure tolerant: what cannot be seen
-is reported as such, never raised.
+is reported as such, never raised. A rank's CUDA device is found among NVML's GPUs by its UUID (else its PCI
+bus id), never by its ordinal: under CUDA_VISIBLE_DEVICES (Slurm, containers) or CUDA's default
+fastest-first order, CUDA ordinal N is not NVML index N.
 """
 
 from __future__ import annotations
@@ -29,12 +31,18 @@ ENV_PREFIXES = (
 
 @dataclass(frozen=True)
 class RankPlace:
-    """Where one rank runs, as that rank sees it (gathered from every rank by the harness)."""
+    """Where one rank runs, as that rank sees it (gathered from every rank by the harness): what nccl-tests
+    prints per rank ("#  Rank  0 Group  0 Pid  1234 on  host device  0 [0000:19:00] NVIDIA H200") and the
+    GPU's NVLink fabric clique."""
 
     host: str
-    gpu_uuid: str = ""
+    gpu_uuid: str = ""  # "GPU-xxxxxxxx-...", as nvidia-smi and NVML print it
     fabric_cluster_uuid: str = ""  # multi-node NVLink domain (NVL72 rack); "" when the GPU reports none
     fabric_clique_id: int = -1
+    pid: int = 0
+    device: int = -1  # CUDA ordinal in the rank's process; -1 = a CPU rank
+    bus_id: str = ""  # PCI domain:bus:device in hex as nccl-tests prints it ("0000:19:00"); "" when unknown
+    gpu_name: str = ""  # "NVIDIA H200"; "" on a CPU rank
 
     @property
     def domain_key(self) -> str:
@@ -153,20 +161,122 @@ def probe_gpus() -> dict[str, Any]:
     return out
 
 
+@dataclass(frozen=True)
+class CudaDevice:
+    """What CUDA (torch) says about one device ordinal of this process: the keys that find it among NVML's
+    GPUs. Empty fields: torch could not say (a CPU build, no driver, an older torch)."""
+
+    ordinal: int
+    uuid: str = ""  # "GPU-xxxxxxxx-...", NVML's spelling
+    pci: tuple[int, int, int] | None = None  # (domain, bus, device)
+    name: str = ""
+
+
+def _uuid_key(text: str) -> str:
+    """A GPU UUID without its "GPU-" / "MIG-" prefix, lower case: NVML prints "GPU-8f6e...", torch's
+    ``uuid`` prints the bare hex."""
+    key = str(text).strip().lower()
+    for prefix in ("gpu-", "mig-"):
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return key
+
+
+def _pci_tuple(text: Any) -> tuple[int, int, int] | None:
+    """(domain, bus, device) of a PCI bus id: NVML's "00000000:19:00.0", nccl-tests' "0000:19:00"."""
+    parts = str(text).strip().split(".")[0].split(":")
+    if len(parts) != 3:
+        return None
+    try:
+        domain, bus, device = (int(part, 16) for part in parts)
+    except ValueError:
+        return None
+    return domain, bus, device
+
+
+def bus_id_text(pci: tuple[int, int, int]) -> str:
+    """A PCI (domain, bus, device) as nccl-tests prints it (src/common.cu: "%04x:%02x:%02x"): "0000:19:00"."""
+    domain, bus, device = pci
+    return f"{domain:04x}:{bus:02x}:{device:02x}"
+
+
+def cuda_device(ordinal: int) -> CudaDevice:
+    """UUID, PCI location and name of CUDA device ``ordinal`` from torch's device properties (``uuid``; the
+    ``pci_domain_id`` / ``pci_bus_id`` / ``pci_device_id`` integers); what torch cannot say stays empty."""
+    try:
+        import torch
+
+        props = torch.cuda.get_device_properties(ordinal)
+    except Exception:  # CPU build, no driver, bad ordinal
+        return CudaDevice(ordinal)
+    raw = getattr(props, "uuid", None)
+    text = "" if raw is None else str(raw).strip()
+    if not _uuid_key(text).strip("0-"):  # absent, or all zero: none
+        uuid = ""
+    elif text[:4].upper() in ("GPU-", "MIG-"):
+        uuid = text[:4].upper() + text[4:].lower()
+    else:
+        uuid = f"GPU-{text.lower()}"
+    fields = [getattr(props, f"pci_{name}_id", None) for name in ("domain", "bus", "device")]
+    pci = tuple(int(v) for v in fields) if all(isinstance(v, int) for v in fields) else None
+    return CudaDevice(ordinal, uuid, pci, str(getattr(props, "name", "") or ""))  # type: ignore[arg-type]
+
+
+def _known(value: Any) -> str:
+    """An NVML field, "" for one it could not read (recorded as "? (error)")."""
+    text = "" if value is None else str(value)
+    return "" if text.startswith("?") else text
+
+
+def _nvml_gpu_of(
+    device: CudaDevice, gpus: list[dict[str, Any]], visible: str | None
+) -> dict[str, Any] | None:
+    """The NVML GPU that is CUDA device ``device``: by UUID, else by PCI bus id; only when torch knows
+    neither, by CUDA_VISIBLE_DEVICES (an index, or a UUID prefix as CUDA accepts) or else the same index
+    (best effort: CUDA orders fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID). None when none matches."""
+    if device.uuid:
+        found = [g for g in gpus if _uuid_key(_known(g.get("uuid"))) == _uuid_key(device.uuid)]
+        if found:
+            return found[0]
+    if device.pci is not None:
+        found = [g for g in gpus if _pci_tuple(_known(g.get("pci_bus_id"))) == device.pci]
+        if found:
+            return found[0]
+    if device.uuid or device.pci is not None:
+        return None  # known keys matched nothing (a MIG instance, a GPU NVML cannot see): no guessing
+    entries = [entry.strip() for entry in visible.split(",")] if visible is not None else None
+    if entries is None:
+        index = device.ordinal
+    elif device.ordinal < len(entries) and entries[device.ordinal].isdigit():
+        index = int(entries[device.ordinal])
+    elif device.ordinal < len(entries) and entries[device.ordinal]:
+        prefix = entries[device.ordinal].lower()
+        found = [g for g in gpus if _known(g.get("uuid")).lower().startswith(prefix)]
+        return found[0] if len(found) == 1 else None
+    else:
+        return None
+    return next((g for g in gpus if g.get("index") == index), None)
+
+
 def local_place(device_index: int | None = None) -> RankPlace:
-    """This process's place: host name, and the GPU's UUID and fabric clique when NVML can see them."""
-    host = socket.gethostname()
+    """This process's place: host and pid, and for CUDA device ``device_index`` (an ordinal of this process)
+    its UUID, PCI bus id and name, and the fabric clique of the NVML GPU with that UUID (or bus id)."""
+    host, pid = socket.gethostname(), os.getpid()
     if device_index is None:
-        return RankPlace(host=host)
-    gpus = probe_gpus().get("gpus", [])
-    gpu = next((g for g in gpus if g.get("index") == device_index), None)
-    if gpu is None:
-        return RankPlace(host=host)
+        return RankPlace(host=host, pid=pid)
+    device = cuda_device(device_index)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpu = _nvml_gpu_of(device, probe_gpus().get("gpus", []), visible) or {}
+    pci = device.pci or _pci_tuple(_known(gpu.get("pci_bus_id")))
     return RankPlace(
         host=host,
-        gpu_uuid=str(gpu.get("uuid", "")),
+        gpu_uuid=_known(gpu.get("uuid")) or device.uuid,
         fabric_cluster_uuid=str(gpu.get("fabric_cluster_uuid", "")),
         fabric_clique_id=int(gpu.get("fabric_clique_id", -1)),
+        pid=pid,
+        device=int(device_index),
+        bus_id=bus_id_text(pci) if pci is not None else "",
+        gpu_name=device.name or _known(gpu.get("name")),
     )
 
 

@@ -1,15 +1,17 @@
 """Report stage: result rows (bytes, times) -> bandwidth frame -> tables, files and pages of a report folder.
 
 Modules, in the order data flows through them: ``frame`` (the only bytes -> GB/s code, ``CONVENTIONS``),
-``knobs`` (knob settings: dicts in memory, text in files), ``tables`` (the one table printer and the
-report's tables), ``html`` (summary.md, report.html, plots), ``folder`` (the output folder claimed
-exclusively, atomic files, whole CSV rows), ``reading`` (a saved folder read back checked), ``files``
-(report folder, CSV/parquet/JSON, ``ReportWriter``, ``render_report``). This package re-exports their public
-names.
+``knobs`` (knob settings: dicts in memory, text in files), ``modes`` (timing and check modes in words),
+``tables`` (the one table printer and the report's tables), ``console`` (stdout: the balanced all-to-all
+in nccl-tests' layout, then the MoE table), ``html`` (summary.md, report.html, plots), ``folder`` (the
+output folder claimed exclusively, atomic files, whole CSV rows), ``reading`` (a saved folder read back
+checked), ``files`` (report folder, CSV/parquet/JSON, ``ReportWriter``, ``render_report``). This package
+re-exports their public names.
 """
 
 from __future__ import annotations
 
+from commbench.report.console import results_table
 from commbench.report.files import (
     ReportWriter,
     file_records,
@@ -33,6 +35,7 @@ from commbench.report.frame import (
     DERIVED_COLUMNS,
     RANK_DERIVED_COLUMNS,
     average_bus_bandwidth,
+    balanced_rows,
     gbps,
     rank_frame,
     results_frame,
@@ -46,7 +49,7 @@ from commbench.report.knobs import (
     with_knob_setting,
 )
 from commbench.report.reading import read_meta, read_report, read_rows
-from commbench.report.tables import format_bandwidth, results_table
+from commbench.report.tables import format_bandwidth
 
 __all__ = [
     "CONVENTIONS",
@@ -58,6 +61,7 @@ __all__ = [
     "ReportWriteError",
     "ReportWriter",
     "average_bus_bandwidth",
+    "balanced_rows",
     "check_claim",
     "claim_out_dir",
     "file_records",

@@ -29,6 +29,14 @@ import pandas as pd
 from commbench.inputs.specs import SystemSpec, load_spec, spec_from_dict
 from commbench.inputs.userfiles import clip
 from commbench.plain import is_missing, knobs_text, plain
+from commbench.report.console import (
+    REDOP,
+    ROOT,
+    TYPE_NAME,
+    out_of_bounds_count,
+    per_peer_count,
+    sweep_config,
+)
 from commbench.report.folder import (
     CsvAppender,
     OutDirClaim,
@@ -37,7 +45,13 @@ from commbench.report.folder import (
     claim_out_dir,
     write_atomic,
 )
-from commbench.report.frame import CONVENTIONS, average_bus_bandwidth, rank_frame, results_frame
+from commbench.report.frame import (
+    CONVENTIONS,
+    average_bus_bandwidth,
+    balanced_rows,
+    rank_frame,
+    results_frame,
+)
 from commbench.report.html import incomplete_reason, report_html, summary_markdown
 from commbench.report.reading import RANK_COLUMNS, RESULT_COLUMNS, read_meta, read_report, read_rows
 
@@ -163,11 +177,13 @@ class ReportWriter:
         ``status: "incomplete"`` and ``incomplete_reason``, and the pages say INCOMPLETE at the top. After a
         failed write nothing is written (the frame is still returned)."""
         frame = results_frame(self._rows, self.spec)
+        frame.attrs["meta"] = self.meta  # the stdout table's header reads it (report.console)
         if self._failed is not None:
             return frame
         if incomplete is not None:
             reason = _one_line_reason(incomplete)
             self.meta = {**self.meta, "status": "incomplete", "incomplete_reason": reason}
+            frame.attrs["meta"] = self.meta
             self._write(self.out_dir / "meta.json", json.dumps(plain(self.meta), indent=2) + "\n")
         pages = report_pages(frame, rank_frame(self._rank_rows), self.meta, self.spec)
         self._guarded(write_pages, self.out_dir, pages)
@@ -186,6 +202,7 @@ def render_report(out_dir: str | os.PathLike[str]) -> pd.DataFrame:
     frame = results_frame(results, spec)
     write_pages(Path(out_dir), report_pages(frame, rank_frame(ranks), meta, spec))
     frame.attrs["incomplete"] = incomplete_reason(meta)
+    frame.attrs["meta"] = meta  # the stdout table's header reads it (report.console)
     return frame
 
 
@@ -208,6 +225,7 @@ def mark_incomplete(out_dir: str | os.PathLike[str], reason: str) -> pd.DataFram
     write_atomic(meta_path, json.dumps(plain(meta), indent=2) + "\n")
     write_pages(path, pages)
     frame.attrs["incomplete"] = incomplete_reason(meta)
+    frame.attrs["meta"] = meta
     return frame
 
 
@@ -259,22 +277,29 @@ def _parquet_safe(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def results_json(frame: pd.DataFrame, meta: Mapping[str, Any], spec: SystemSpec) -> dict[str, Any]:
-    """nccl-tests-like JSON: args, env, results[] (size, time, alg_bw, bus_bw, wrong), average bus bw.
+    """nccl-tests-like JSON: args, env, config, results[] (size, time, alg_bw, bus_bw, wrong), out_of_bounds,
+    average_bus_bandwidth.
 
-    Each result also carries nccl-tests' own ``-J`` layout (``out_of_place`` {time, alg_bw, bus_bw, nwrong},
-    ``in_place`` null: commbench runs one out-of-place exchange), so a parser of nccl-tests JSON reads it.
+    Each result carries nccl-tests' own ``-J`` layout: ``out_of_place`` {time, alg_bw, bus_bw, nwrong} with
+    nccl-tests' time, the mean over the timed iterations (``time_us_mean``) and the bandwidths from it, for
+    every row; ``in_place`` null (commbench runs one out-of-place exchange); balanced all-to-all rows also
+    count (uint8 elements to each peer), type, redop and root. ``config`` holds the balanced sweep's
+    parameters (``console.sweep_config``); ``out_of_bounds`` and ``average_bus_bandwidth`` are over the
+    balanced rows alone, as nccl-tests' footer (null where there are none).
     """
     env = meta.get("env") or {}
+    balanced = balanced_rows(frame)
     results = []
     for row in file_records(frame):
         figures = {
-            "time": row.get("time_us_p50"),
-            "alg_bw": row.get("algbw_GBps"),
-            "bus_bw": row.get("busbw_GBps"),
+            "time": row.get("time_us_mean"),
+            "alg_bw": row.get("algbw_mean_GBps"),
+            "bus_bw": row.get("busbw_mean_GBps"),
         }
         results.append(
             {
                 "size": row.get("size_bytes"),
+                **_nccl_tests_case(row),
                 **figures,
                 "wrong": row.get("wrong"),
                 "out_of_place": {**figures, "nwrong": row.get("wrong")},
@@ -283,20 +308,36 @@ def results_json(frame: pd.DataFrame, meta: Mapping[str, Any], spec: SystemSpec)
             }
         )
     avg = average_bus_bandwidth(frame)
+    wrong_rows = out_of_bounds_count(balanced)
     return plain(
         {
             "args": meta.get("args", {}),
             "env": env,
             "nccl_version": (env.get("versions") or {}).get("nccl"),
             "devices": env.get("devices", []),
+            "config": sweep_config(balanced, meta) if not balanced.empty else None,
             "spec": spec_figures(spec),
             "units": {"size": "bytes", "time": "us", "alg_bw": "GB/s (1e9 B/s)", "bus_bw": "GB/s (1e9 B/s)"},
             "conventions": CONVENTIONS,
             "results": results,
-            "average_bus_bandwidth": None if math.isnan(avg) else avg,
+            "out_of_bounds": {
+                "count": wrong_rows,
+                "okay": None if wrong_rows is None else wrong_rows == 0,
+            },
+            "average_bus_bandwidth": {
+                "bandwidth": None if math.isnan(avg) else avg,
+                "okay": "unchecked",  # as nccl-tests without NCCL_TESTS_MIN_BW
+            },
             **_status(meta),
         }
     )
+
+
+def _nccl_tests_case(row: Mapping[str, Any]) -> dict[str, Any]:
+    """nccl-tests' count, type, redop and root of a balanced all-to-all row ({} for an MoE phase)."""
+    if row.get("phase") != "alltoall" or is_missing(row.get("size_bytes")):
+        return {}
+    return {"count": per_peer_count(row), "type": TYPE_NAME, "redop": REDOP, "root": ROOT}
 
 
 def _status(meta: Mapping[str, Any]) -> dict[str, Any]:

@@ -29,8 +29,20 @@ Conventions
   (token, expert) selection. Dropped selections (mask ratio, capacity) send nothing.
 - size(B): the bottleneck rank's max(bytes sent, bytes received), self traffic (a rank to itself) INCLUDED.
   For the balanced all-to-all, size = bytes each rank sends in total (nccl-tests alltoall size).
-- time(us): the p50 over timed iterations of the per-iteration maximum across ranks; min and p99 are given
-  too. Warm-up iterations are not timed.
+- time(us): the row's timing column says how it was timed (rows without one: iteration). iteration = a
+  barrier before each timed iteration; an iteration's time is its maximum across ranks; min, p50, p99 and
+  mean are taken over the timed iterations. window (as nccl-tests) = the timed iterations run back to back
+  in one window, no barrier between them; a rank's time = window / iterations, the row's time = the maximum
+  across ranks (nccl-tests' default, -a 1, averages across ranks instead). Warm-up iterations are not timed.
+- Which time a figure uses: the balanced all-to-all (the nccl-tests table on stdout, its summary.md and
+  report.html table) and results.json's nccl-tests fields (time, alg_bw, bus_bw, out_of_place) use
+  nccl-tests' time, the mean (time_us_mean; algbw_mean_GBps, busbw_mean_GBps, pct_spec_mean); MoE tables
+  show time mean, p50 and p99 and take algbw, busbw, %spec and every other GB/s from p50 (time_us_p50;
+  algbw_GBps, busbw_GBps, ...).
+- The balanced all-to-all on stdout is printed in nccl-tests alltoall_perf's layout: count = elements each
+  rank sends to each peer (size / ranks, as nccl-tests' count for alltoall), type uint8 (commbench moves
+  bytes, so #wrong counts bytes = elements), redop none, root -1; the in-place columns say N/A: commbench
+  runs the out-of-place exchange only.
 - Every bandwidth is ONE direction (bytes a rank sent, or received, per second) and is compared with a
   per-direction spec; a one-way figure is never compared with a bidirectional spec (NVLink 5: 1.8 TB/s
   bidirectional = 900 GB/s per direction; a NIC's line rate, e.g. 800 Gb/s = 100 GB/s, is per direction).
@@ -52,8 +64,8 @@ Conventions
   *_agg_GBps = all bytes of the class / time, against the class aggregate (NVLink: domain aggregate / 2 x
   ranks / GPUs per domain; scale-out: ranks x NIC per direction). The time is the whole phase, so a class's
   figure is what it carried over the phase, a lower bound of its own rate when the other class is slower.
-- Per-rank rows (ranks.csv): bytes sent and received per class; *_GBps = those bytes / the phase time (p50
-  of the per-iteration max across ranks), one direction.
+- Per-rank rows (ranks.csv): bytes sent and received per class; *_GBps = those bytes / the phase time (its
+  p50, see time), one direction.
 - Imbalance cost: right after an MoE job's phases, the same launch runs dispatch (counts exchange included)
   and combine (weighted reduction included) again through the same code path on a balanced layout of the
   same rows: same total rows, row sizes, tokens per rank and send mode, every (src, dst) pair (self
@@ -61,16 +73,23 @@ Conventions
   rows; both are verified. skew_cost = time / balanced time (1 = skew costs nothing); skew_bw_loss_pct =
   100 x (1 - (total bytes / time) / (balanced bytes / balanced time)). Uniform routing is random, so it shows
   the cost of statistical imbalance alone.
+- Avg bus bandwidth = the mean of busbw (from the mean time) over the balanced all-to-all rows only, as
+  nccl-tests' footer (which also averages its in-place rows: commbench runs out-of-place only, in-place
+  N/A); MoE phases are never averaged in.
 - GB = 1e9 bytes; GB/s = 1e9 bytes per second; time in microseconds.
 - #wrong: mismatched bytes after dispatch and the balanced all-to-all, mismatched output elements after
-  combine (float64 reference, tolerance 1e-4 x sum |w x| + 1e-6), summed over ranks and timed iterations;
-  0 = every timed iteration verified. Before each timed iteration every receive buffer is filled with a
-  sentinel (0xFF bytes: a row header no (src, token) has, NaN as bf16/fp32), outside the timer, so an
-  iteration that moves nothing cannot pass on stale bytes. check (a column of every row): checksum
-  (default) = each timed iteration's rows checksummed (header + sum of 8-byte words; a row whose checksum
-  differs counts all its bytes), combine output compared element by element, the last iteration verified
-  byte for byte; every = every timed iteration verified byte for byte (slower). Backends that move no data
-  (mock, sim): check n/a, #wrong n/a (empty), never 0.
+  combine (float64 reference, tolerance 1e-4 x sum |w x| + 1e-6), summed over ranks and verified
+  iterations; 0 = every verified iteration matched. check (a column of every row) says which were verified.
+  checksum (default) and every: before each timed iteration every receive buffer is filled with a sentinel
+  (0xFF bytes: a row header no (src, token) has, NaN as bf16/fp32), outside the timer, so an iteration
+  that moves nothing cannot pass on stale bytes; checksum = each timed iteration's rows checksummed
+  (header + sum of 8-byte words; a row whose checksum differs counts all its bytes), combine output
+  compared element by element, the last iteration verified byte for byte; every = every timed iteration
+  verified byte for byte (slower). window-last (window timing) = the receive buffers poisoned once before
+  the timed window, the back-to-back iterations overwrite the same buffers (as in nccl-tests), the
+  window's final output verified byte for byte. Backends that move no data (mock, sim): check n/a, #wrong
+  n/a (empty), never 0. Out of bounds values (stdout) = the balanced rows with #wrong > 0 (nccl-tests
+  counts its failed checks, one per rank and size).
 - maxvio = (max expert load - mean) / mean over experts; expert_cv = std / mean of expert loads;
   expert_max_mean = max / mean.
 - Backends marked "emulated" do not measure the real interconnect (mock, simulators, CPU emulators): their
@@ -81,6 +100,9 @@ CLASS_SUFFIXES = ("GBps", "spec_GBps", "pct_spec", "agg_GBps", "agg_spec_GBps", 
 DERIVED_COLUMNS = (
     "algbw_GBps",
     "busbw_GBps",
+    "algbw_mean_GBps",
+    "busbw_mean_GBps",
+    "pct_spec_mean",
     "per_gpu_GBps",
     "spec_name",
     "spec_GBps",
@@ -140,10 +162,15 @@ def results_frame(
         _numeric(frame, "max_send_link_bytes"), _numeric(frame, "max_recv_link_bytes")
     )
     frame["busbw_GBps"] = gbps(bottleneck_link_bytes, time_us)
+    # nccl-tests' time is the mean over its timed iterations: the nccl-tests table and JSON use these.
+    mean_us = _numeric(frame, "time_us_mean")
+    frame["algbw_mean_GBps"] = gbps(_numeric(frame, "size_bytes"), mean_us)
+    frame["busbw_mean_GBps"] = gbps(bottleneck_link_bytes, mean_us)
     frame["per_gpu_GBps"] = frame["busbw_GBps"]
     frame["spec_name"] = spec.name
     frame["spec_GBps"] = float(spec.nvlink_GBps_per_direction)
     frame["pct_spec"] = 100.0 * frame["per_gpu_GBps"] / frame["spec_GBps"]
+    frame["pct_spec_mean"] = 100.0 * frame["busbw_mean_GBps"] / frame["spec_GBps"]
     frame["agg_GBps"] = gbps(_numeric(frame, "link_bytes"), time_us)
     frame["agg_spec_GBps"] = domain_aggregate
     frame["pct_agg_spec"] = 100.0 * frame["agg_GBps"] / frame["agg_spec_GBps"]
@@ -213,10 +240,19 @@ def rank_frame(rank_rows: Iterable[dict[str, Any]] | pd.DataFrame) -> pd.DataFra
     return frame
 
 
+def balanced_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The balanced all-to-all rows (phase "alltoall": the nccl-tests-comparable sweep) of ``frame``."""
+    if frame.empty or "phase" not in frame.columns:
+        return frame.iloc[0:0]
+    return frame[frame["phase"].astype(str) == "alltoall"]
+
+
 def average_bus_bandwidth(frame: pd.DataFrame) -> float:
-    """Mean busbw over rows (nccl-tests' "Avg bus bandwidth"); NaN without finite values."""
-    if frame.empty or "busbw_GBps" not in frame.columns:
+    """nccl-tests' "Avg bus bandwidth": the mean of ``busbw_mean_GBps`` (busbw from the mean time) over the
+    balanced all-to-all rows ALONE (MoE phases are not averaged in); NaN without a finite value."""
+    rows = balanced_rows(frame)
+    if rows.empty or "busbw_mean_GBps" not in rows.columns:
         return math.nan
-    values = frame["busbw_GBps"].astype(float)
+    values = rows["busbw_mean_GBps"].astype(float)
     values = values[np.isfinite(values)]
     return float(values.mean()) if len(values) else math.nan

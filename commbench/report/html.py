@@ -17,12 +17,13 @@ import pandas as pd
 
 from commbench.inputs.specs import SystemSpec
 from commbench.plain import is_missing
-from commbench.report.frame import CONVENTIONS, average_bus_bandwidth
+from commbench.report.frame import CONVENTIONS, average_bus_bandwidth, balanced_rows
 from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
+from commbench.report.modes import check_text, timing_text
 from commbench.report.tables import (
     SKEW_COST_NOTE,
+    TIME_NOTE,
     any_emulated,
-    check_text,
     fmt_int,
     fmt_size,
     fmt_text,
@@ -91,6 +92,14 @@ def incomplete_note(meta: dict[str, Any]) -> str | None:
     return f"INCOMPLETE: {reason}. Only the phases that finished before the run stopped are reported."
 
 
+def average_text(frame: pd.DataFrame) -> str | None:
+    """nccl-tests' "Avg bus bandwidth" of the balanced all-to-all rows (mean time), None without any."""
+    if balanced_rows(frame).empty:
+        return None
+    average = format_bandwidth(average_bus_bandwidth(frame))
+    return f"Avg bus bandwidth (balanced all-to-all only, busbw from the mean time): {average} GB/s"
+
+
 def summary_markdown(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec) -> str:
     """summary.md: conventions, spec, topology, environment, a table per pattern, link classes, skew cost."""
     frame = with_knob_setting(frame)
@@ -100,6 +109,8 @@ def summary_markdown(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec
     if any_emulated(frame):
         parts += ["**Emulated backend: times and bandwidths below are not hardware measurements.**", ""]
     parts += ["## Conventions", "", "```", CONVENTIONS, "```", "", f"Spec: {spec_legend(spec)}.", ""]
+    if timing_text(frame):
+        parts += [f"Timing: {timing_text(frame)}.", ""]
     if check_text(frame):
         parts += [f"Check: {check_text(frame)}.", ""]
     topology = topology_text(frame, meta)
@@ -109,9 +120,12 @@ def summary_markdown(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec
     parts += [f"- {key}: `{value}`" for key, value in environment_lines(meta)]
     parts.append("")
     parts += ["## Results", ""]
+    if not frame.empty:
+        parts += [TIME_NOTE, ""]
     for name, table in pattern_tables(frame, "markdown"):
         parts += [f"### {name}", "", table, ""]
-    parts += [f"Avg bus bandwidth: {format_bandwidth(average_bus_bandwidth(frame))} GB/s", ""]
+    if average_text(frame):
+        parts += [average_text(frame), ""]
     links = link_class_table(frame, "markdown")
     if links:
         parts += ["## By link class", "", link_class_legend(spec), "", links, ""]
@@ -151,6 +165,8 @@ def report_html(frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any], 
         f"<pre>{esc(CONVENTIONS)}</pre>",
         f"<p>Spec: {esc(spec_legend(spec))}.</p>",
     ]
+    if timing_text(frame):
+        body.append(f"<p>Timing: {esc(timing_text(frame) or '')}.</p>")
     if check_text(frame):
         body.append(f"<p>Check: {esc(check_text(frame) or '')}.</p>")
     topology = topology_text(frame, meta)
@@ -158,9 +174,12 @@ def report_html(frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any], 
         body.append(f"<p>Topology: {esc(topology)}.</p>")
     environment = format_table(["item", "value"], environment_lines(meta), "html", text_columns={0, 1})
     body += ["<h2>Environment</h2>", environment, "<h2>Results</h2>"]
+    if not frame.empty:
+        body.append(f"<p>{esc(TIME_NOTE)}</p>")
     for name, table in pattern_tables(frame, "html"):
         body += [f"<h3>{esc(name)}</h3>", table]
-    body.append(f"<p>Avg bus bandwidth: {format_bandwidth(average_bus_bandwidth(frame))} GB/s</p>")
+    if average_text(frame):
+        body.append(f"<p>{esc(average_text(frame) or '')}</p>")
     links = link_class_table(frame, "html")
     if links:
         body += ["<h2>By link class</h2>", f"<p>{esc(link_class_legend(spec))}</p>", links]
@@ -193,9 +212,11 @@ def _figure_png(figure: Any) -> str:
 
 
 def _balanced_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    """The balanced all-to-all rows with a finite busbw."""
-    balanced = frame[frame["phase"] == "alltoall"] if "phase" in frame else frame.iloc[0:0]
-    return balanced[np.isfinite(balanced["busbw_GBps"].astype(float))] if not balanced.empty else balanced
+    """The balanced all-to-all rows with a finite busbw (nccl-tests' mean time)."""
+    balanced = balanced_rows(frame)
+    return (
+        balanced[np.isfinite(balanced["busbw_mean_GBps"].astype(float))] if not balanced.empty else balanced
+    )
 
 
 def _setting_keys(frame: pd.DataFrame) -> list[str]:
@@ -214,14 +235,14 @@ def _plot_balanced(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
     for key, group in balanced.groupby(_setting_keys(balanced), sort=False):
         name = " ".join(str(part) for part in key) if isinstance(key, tuple) else str(key)
         group = group.sort_values("size_bytes")
-        axes.plot(group["size_bytes"], group["busbw_GBps"], marker="o", label=f"{name} busbw")
-        axes.plot(group["size_bytes"], group["algbw_GBps"], marker=".", ls=":", label=f"{name} algbw")
+        axes.plot(group["size_bytes"], group["busbw_mean_GBps"], marker="o", label=f"{name} busbw")
+        axes.plot(group["size_bytes"], group["algbw_mean_GBps"], marker=".", ls=":", label=f"{name} algbw")
     axes.axhline(spec.nvlink_GBps_per_direction, color="red", linestyle="--", label=f"spec {spec.name}")
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xlabel("size: bytes each rank sends (B)")
     axes.set_ylabel("GB/s (1e9 B/s), one direction")
-    axes.set_title("Balanced all-to-all: bus bandwidth vs size")
+    axes.set_title("Balanced all-to-all: bus bandwidth vs size (time: the mean, as nccl-tests)")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize="small")
     return _figure_png(figure)
@@ -247,8 +268,11 @@ def _plot_per_gpu_vs_spec(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
     # One bar per MoE row, plus the balanced sweep's peak busbw per backend (the best-case reference).
     moe = frame[frame["phase"] != "alltoall"] if "phase" in frame else frame
     balanced = _balanced_rows(frame)
-    if not balanced.empty:
-        balanced = balanced.sort_values("busbw_GBps").groupby(_setting_keys(balanced), sort=False).tail(1)
+    if not balanced.empty:  # nccl-tests' figures: from the mean time
+        balanced = balanced.assign(
+            per_gpu_GBps=balanced["busbw_mean_GBps"], pct_spec=balanced["pct_spec_mean"]
+        )
+        balanced = balanced.sort_values("per_gpu_GBps").groupby(_setting_keys(balanced), sort=False).tail(1)
     cases = pd.concat([balanced, moe])
     cases = cases[np.isfinite(cases["per_gpu_GBps"].astype(float))]
     if cases.empty:
@@ -271,7 +295,9 @@ def _plot_per_gpu_vs_spec(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
     axes.set_yscale("log")
     axes.set_xticks(positions, [_case_label(r) for r in records], fontsize="x-small")
     axes.set_ylabel("per-GPU GB/s, one direction")
-    axes.set_title("Achieved per-GPU bandwidth (busbw) vs spec, labels: % of spec")
+    axes.set_title(
+        "Achieved per-GPU bandwidth (busbw; balanced: mean time, MoE: p50) vs spec, labels: % of spec"
+    )
     axes.grid(True, axis="y", which="both", alpha=0.3)
     axes.legend(fontsize="small")
     return _figure_png(figure)

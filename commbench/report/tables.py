@@ -1,7 +1,7 @@
 """The one table printer (aligned text, GitHub Markdown, HTML) and the report's tables built on it.
 
-Every table commbench prints or writes goes through ``format_table``: the results table on stdout
-(``results_table``), the summary.md and report.html tables (``pattern_tables``, ``link_class_table``,
+Every table commbench prints or writes goes through ``format_table``: the stdout tables
+(``report.console``), the summary.md and report.html tables (``pattern_tables``, ``link_class_table``,
 ``skew_cost_table``), ``commbench pattern``, ``topo`` and ``simulate``. A column whose cells all look numeric
 (a number, optionally followed by a unit, or a placeholder such as "-" or "n/a") is right-aligned, any other
 column left-aligned, so numbers line up on their last digit as in nccl-tests; a caller names the columns
@@ -19,8 +19,8 @@ import pandas as pd
 
 from commbench.inputs.specs import SystemSpec
 from commbench.plain import is_missing
-from commbench.report.frame import average_bus_bandwidth
-from commbench.report.knobs import KNOB_SETTING_COLUMN, varying_knobs
+from commbench.report.knobs import KNOB_SETTING_COLUMN
+from commbench.report.modes import mixes_timing, with_timing
 
 STYLES = ("text", "markdown", "html")
 # Cells that stand for "no value" and must not make a numeric column left-aligned.
@@ -119,37 +119,6 @@ def fmt_wrong(value: Any) -> str:
     return "n/a" if is_missing(value) else str(int(value))
 
 
-# What each value of the rows' ``check`` column means (RunOptions.check_mode; "n/a": nothing moved).
-CHECK_TEXT = {
-    "checksum": "checksum (receive buffers poisoned before every timed iteration; every iteration "
-    "checksummed, the last verified byte for byte)",
-    "every": "every (receive buffers poisoned before every timed iteration; every iteration verified "
-    "byte for byte: slower)",
-    "n/a": "n/a (no data moved: #wrong n/a)",
-    "off": "off (benchmark baseline: nothing verified, #wrong n/a)",
-}
-
-
-def check_text(frame: pd.DataFrame) -> str | None:
-    """How the rows' timed iterations were verified (their ``check`` column), in words; None without it."""
-    if "check" not in frame.columns:
-        return None
-    modes = [str(mode) for mode in dict.fromkeys(frame["check"]) if not is_missing(mode)]
-    return "; ".join(CHECK_TEXT.get(mode, mode) for mode in modes) or None
-
-
-def total_wrong_text(frame: pd.DataFrame) -> str:
-    """The sum of #wrong over the rows that were verified; "n/a" when none was (no data moved)."""
-    values = pd.to_numeric(frame["wrong"], errors="coerce")
-    verified = values.dropna()
-    if verified.empty:
-        return "n/a (no data moved)"
-    total = int(verified.sum())
-    unverified = int(values.isna().sum())
-    note = f" ({unverified} rows n/a: no data moved)" if unverified else ""
-    return f"{total}{note}{'  (DATA MISMATCH)' if total else ''}"
-
-
 def fmt_float(digits: int) -> Callable[[Any], str]:
     def fmt(value: Any) -> str:
         return "-" if is_missing(value) else f"{float(value):.{digits}f}"
@@ -207,7 +176,7 @@ class Column:
     min_width: int = 0
 
 
-def _column(source: str, header: str, fmt: Callable[[Any], str], min_width: int = 0) -> Column:
+def column(source: str, header: str, fmt: Callable[[Any], str], min_width: int = 0) -> Column:
     """A column showing ``source`` through ``fmt``; a text column when ``fmt`` formats text."""
     return Column(header, source, lambda record: fmt(record.get(source)), fmt is fmt_text, min_width)
 
@@ -224,57 +193,80 @@ def _neck(name: str, header: str) -> Column:
     return Column(header, f"{name}_bottleneck_rank", cell)
 
 
-def _render(columns: Sequence[Column], frame: pd.DataFrame, style: str, **options: Any) -> str:
-    columns = [column for column in columns if column.source in frame.columns]
+def render(columns: Sequence[Column], frame: pd.DataFrame, style: str, **options: Any) -> str:
+    """``frame``'s rows under ``columns`` (those whose source column it has), through ``format_table``."""
+    shown = [c for c in columns if c.source in frame.columns]
     records = frame.to_dict("records")
     return format_table(
-        [column.header for column in columns],
-        [[column.cell(record) for column in columns] for record in records],
+        [c.header for c in shown],
+        [[c.cell(record) for c in shown] for record in records],
         style,
-        text_columns={i for i, column in enumerate(columns) if column.text},
+        text_columns={i for i, c in enumerate(shown) if c.text},
         **options,
     )
 
 
-_KNOBS = _column(KNOB_SETTING_COLUMN, "knobs", fmt_text)
-_CASE = (_column("pattern", "pattern", fmt_text), _column("skew", "skew", fmt_text))
-_PHASE = _column("phase", "phase", fmt_text)
-_BACKEND = _column("backend", "backend", fmt_text)
-_SIZE = _column("size_bytes", "size(B)", fmt_size)
-_TIMES_AND_BANDWIDTHS = (
-    _column("time_us_p50", "time p50(us)", fmt_time),
-    _column("time_us_min", "min(us)", fmt_time),
-    _column("time_us_p99", "p99(us)", fmt_time),
-    _column("algbw_GBps", "algbw(GB/s)", format_bandwidth),
-    _column("busbw_GBps", "busbw(GB/s)", format_bandwidth),
-    _column("pct_spec", "%spec", fmt_pct),
+KNOBS = column(KNOB_SETTING_COLUMN, "knobs", fmt_text)
+TIMING = column("timing", "timing", fmt_text)  # shown only where the rows mix timing modes
+_CASE = (column("pattern", "pattern", fmt_text), column("skew", "skew", fmt_text))
+_PHASE = column("phase", "phase", fmt_text)
+_BACKEND = column("backend", "backend", fmt_text)
+_SIZE = column("size_bytes", "size(B)", fmt_size)
+_OTHER_TIMES = (
+    column("time_us_p50", "p50(us)", fmt_time),
+    column("time_us_min", "min(us)", fmt_time),
+    column("time_us_p99", "p99(us)", fmt_time),
 )
-_WRONG = _column("wrong", "#wrong", fmt_wrong)
-_BALANCED_TABLE = (_BACKEND, _KNOBS, _SIZE, *_TIMES_AND_BANDWIDTHS, _WRONG)
+_WRONG = column("wrong", "#wrong", fmt_wrong)
+# The balanced all-to-all: nccl-tests' time (the mean) and the bandwidths from it.
+_BALANCED_TABLE = (
+    _BACKEND,
+    KNOBS,
+    TIMING,
+    _SIZE,
+    column("time_us_mean", "time mean(us)", fmt_time),
+    *_OTHER_TIMES,
+    column("algbw_mean_GBps", "algbw(GB/s)", format_bandwidth),
+    column("busbw_mean_GBps", "busbw(GB/s)", format_bandwidth),
+    column("pct_spec_mean", "%spec", fmt_pct),
+    _WRONG,
+)
+# MoE phases: the mean shown too, the bandwidths from p50.
 _MOE_TABLE = (
     _BACKEND,
-    _KNOBS,
-    _column("skew", "skew", fmt_text),
-    _column("send_mode", "send mode", fmt_text),
-    _column("tokens_per_rank", "tokens/rank", fmt_int),
+    KNOBS,
+    TIMING,
+    column("skew", "skew", fmt_text),
+    column("send_mode", "send mode", fmt_text),
+    column("tokens_per_rank", "tokens/rank", fmt_int),
     _PHASE,
     _SIZE,
-    *_TIMES_AND_BANDWIDTHS,
-    _column("agg_GBps", "agg(GB/s)", format_bandwidth),
-    _column("pct_agg_spec", "%agg", fmt_pct),
-    _column("maxvio", "maxvio", fmt_float(3)),
+    column("time_us_mean", "time mean(us)", fmt_time),
+    *_OTHER_TIMES,
+    column("algbw_GBps", "algbw(GB/s)", format_bandwidth),
+    column("busbw_GBps", "busbw(GB/s)", format_bandwidth),
+    column("pct_spec", "%spec", fmt_pct),
+    column("agg_GBps", "agg(GB/s)", format_bandwidth),
+    column("pct_agg_spec", "%agg", fmt_pct),
+    column("maxvio", "maxvio", fmt_float(3)),
     _WRONG,
+)
+# Which time each table's bandwidths use, said under the tables of summary.md and report.html.
+TIME_NOTE = (
+    "Balanced all-to-all tables: time = the mean over the timed iterations (nccl-tests' time), algbw, "
+    "busbw and %spec from it. MoE tables: time mean, p50, min and p99 shown; algbw, busbw, %spec and agg "
+    "from p50. The timing column (where rows were timed in more than one way) says how: see Conventions."
 )
 
 
 def _class_columns(name: str, label: str, spec_label: str) -> tuple[Column, ...]:
     """Link class ``name``'s per-GPU bandwidth, bottleneck, %spec, aggregate and %aggregate columns."""
     return (
-        _column(f"{name}_GBps", f"{label}/GPU(GB/s)", format_bandwidth),
+        column(f"{name}_GBps", f"{label}/GPU(GB/s)", format_bandwidth),
         _neck(name, f"{label} neck"),
-        _column(f"{name}_pct_spec", f"%{spec_label} spec", fmt_pct),
-        _column(f"{name}_agg_GBps", f"{label} agg(GB/s)", format_bandwidth),
-        _column(f"{name}_agg_pct_spec", f"%{spec_label} agg", fmt_pct),
+        column(f"{name}_pct_spec", f"%{spec_label} spec", fmt_pct),
+        column(f"{name}_agg_GBps", f"{label} agg(GB/s)", format_bandwidth),
+        column(f"{name}_agg_pct_spec", f"%{spec_label} agg", fmt_pct),
     )
 
 
@@ -282,71 +274,27 @@ def _class_columns(name: str, label: str, spec_label: str) -> tuple[Column, ...]
 _LINK_CLASS_TABLE = (
     *_CASE,
     _PHASE,
-    _KNOBS,
-    _column("size_bytes", "size(B)", fmt_int),
-    _column("algbw_GBps", "algbw self incl.(GB/s)", format_bandwidth),
-    _column("busbw_GBps", "link bw self excl.(GB/s)", format_bandwidth),
-    _column("self_bytes", "self(B)", fmt_int),
-    _column("nvlink_bytes", "NVLink(B)", fmt_int),
-    _column("scaleout_bytes", "scale-out(B)", fmt_int),
+    KNOBS,
+    column("size_bytes", "size(B)", fmt_int),
+    column("algbw_GBps", "algbw self incl.(GB/s)", format_bandwidth),
+    column("busbw_GBps", "link bw self excl.(GB/s)", format_bandwidth),
+    column("self_bytes", "self(B)", fmt_int),
+    column("nvlink_bytes", "NVLink(B)", fmt_int),
+    column("scaleout_bytes", "scale-out(B)", fmt_int),
     *_class_columns("nvlink", "NVLink", "NVLink"),
     *_class_columns("scaleout", "scale-out", "NIC"),
 )
 _SKEW_COST_TABLE = (
     *_CASE,
     _PHASE,
-    _KNOBS,
-    _column("maxvio", "maxvio", fmt_float(3)),
-    _column("total_bytes", "total(B)", fmt_int),
-    _column("time_us_p50", "time p50(us)", fmt_time),
-    _column("balanced_time_us_p50", "balanced p50(us)", fmt_time),
-    _column("skew_cost", "skew cost(x)", fmt_float(2)),
-    _column("skew_bw_loss_pct", "bw loss(%)", fmt_float(1)),
+    KNOBS,
+    column("maxvio", "maxvio", fmt_float(3)),
+    column("total_bytes", "total(B)", fmt_int),
+    column("time_us_p50", "time p50(us)", fmt_time),
+    column("balanced_time_us_p50", "balanced p50(us)", fmt_time),
+    column("skew_cost", "skew cost(x)", fmt_float(2)),
+    column("skew_bw_loss_pct", "bw loss(%)", fmt_float(1)),
 )
-# stdout, nccl-tests style: fixed minimum widths so consecutive runs line up.
-_RESULTS_TABLE = (
-    _column("pattern", "pattern", fmt_text, 12),
-    _column("skew", "skew", fmt_text, 10),
-    _column("phase", "phase", fmt_text, 8),
-    _column("size_bytes", "size(B)", fmt_int, 10),
-    _column("time_us_p50", "time(us)", fmt_time, 9),
-    _column("algbw_GBps", "algbw(GB/s)", format_bandwidth, 11),
-    _column("busbw_GBps", "busbw(GB/s)", format_bandwidth, 11),
-    _column("pct_spec", "%spec", fmt_pct, 6),
-    _column("wrong", "#wrong", fmt_wrong, 6),
-    _column(KNOB_SETTING_COLUMN, "knobs", fmt_text, 5),  # a sweep's setting of each row, last
-)
-
-
-def results_table(frame: pd.DataFrame) -> str:
-    """The nccl-tests-style results table for stdout (a ``results_frame``), with an "Avg bus bandwidth"
-    footer and the total #wrong."""
-    setting = varying_knobs(frame)
-    if setting is not None:
-        frame = frame.assign(**{KNOB_SETTING_COLUMN: setting})
-    lines = []
-    if not frame.empty:
-        first = frame.iloc[0]
-        backends = ", ".join(dict.fromkeys(frame["backend"].astype(str))) if "backend" in frame else "?"
-        emulated = " (EMULATED timings)" if any_emulated(frame) else ""
-        lines.append(
-            f"# backend: {backends}{emulated}; ranks: {fmt_int(first.get('world_size'))}; "
-            f"spec: {fmt_text(first.get('spec_name'))} {fmt_text(first.get('spec_GBps'))} GB/s per GPU "
-            "per direction"
-        )
-        lines.append("# time = p50 over iterations of the max across ranks; GB = 1e9 B; see summary.md")
-        checked = check_text(frame)
-        if checked:
-            lines.append(f"# check: {checked}")
-    columns = [column for column in _RESULTS_TABLE if column.source in frame.columns]
-    widths = [column.min_width for column in columns]
-    lines.append(
-        _render(columns, frame, "text", min_widths=widths, header_prefix="# ", row_prefix="  ", separator=" ")
-    )
-    lines.append(f"# Avg bus bandwidth    : {format_bandwidth(average_bus_bandwidth(frame))} GB/s")
-    if "wrong" in frame.columns and not frame.empty:
-        lines.append(f"# Total #wrong         : {total_wrong_text(frame)}")
-    return "\n".join(lines)
 
 
 def any_emulated(frame: pd.DataFrame) -> bool:
@@ -356,11 +304,20 @@ def any_emulated(frame: pd.DataFrame) -> bool:
     return bool(frame["emulated"].astype(str).str.lower().isin(["true", "1"]).any())
 
 
+def timing_shown(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with a ``timing`` cell in every row where the rows mix timing modes, else without the
+    column (tables show it only where it tells rows apart)."""
+    if mixes_timing(frame):
+        return with_timing(frame)
+    return frame.drop(columns="timing", errors="ignore")
+
+
 def pattern_tables(frame: pd.DataFrame, style: str) -> list[tuple[str, str]]:
-    """(pattern name, table) per pattern in run order: the balanced sweep's columns for balanced
-    all-to-all rows, the MoE columns otherwise."""
+    """(pattern name, table) per pattern in run order: the balanced sweep's columns (nccl-tests' mean
+    time) for balanced all-to-all rows, the MoE columns otherwise; a timing column where rows mix modes."""
     if frame.empty:
         return []
+    frame = timing_shown(frame)
     if "pattern" not in frame.columns:
         groups = [("results", frame)]
     else:
@@ -369,7 +326,7 @@ def pattern_tables(frame: pd.DataFrame, style: str) -> list[tuple[str, str]]:
     tables = []
     for name, group in groups:
         balanced = "phase" in group.columns and bool((group["phase"] == "alltoall").all())
-        tables.append((name, _render(_BALANCED_TABLE if balanced else _MOE_TABLE, group, style)))
+        tables.append((name, render(_BALANCED_TABLE if balanced else _MOE_TABLE, group, style)))
     return tables
 
 
@@ -377,7 +334,7 @@ def link_class_table(frame: pd.DataFrame, style: str) -> str | None:
     """Per-link-class bytes and bandwidths of every result row; None for rows without link-class columns."""
     if frame.empty or "nvlink_bytes" not in frame.columns:
         return None
-    return _render(_LINK_CLASS_TABLE, frame, style)
+    return render(_LINK_CLASS_TABLE, frame, style)
 
 
 def skew_cost_table(frame: pd.DataFrame, style: str) -> str | None:
@@ -385,7 +342,7 @@ def skew_cost_table(frame: pd.DataFrame, style: str) -> str | None:
     if frame.empty or "balanced_time_us_p50" not in frame.columns:
         return None
     rows = frame[pd.to_numeric(frame["balanced_time_us_p50"], errors="coerce").notna()]
-    return None if rows.empty else _render(_SKEW_COST_TABLE, rows, style)
+    return None if rows.empty else render(_SKEW_COST_TABLE, rows, style)
 
 
 def spec_legend(spec: SystemSpec) -> str:

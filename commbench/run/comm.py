@@ -14,7 +14,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from commbench.errors import CommbenchError, CommError, UsageError
 from commbench.run.heartbeats import Board, StoreBoard, beat_interval_s
 from commbench.run.liveness import RankMonitor, current_monitor
+from commbench.run.nccl_env import apply_nccl_error_env
 
 # Benchmark backends that run on an NCCL process group (one GPU per rank); every other one runs on gloo.
 _NCCL_BACKENDS = ("nccl", "nvshmem")
@@ -43,13 +44,20 @@ def hang_bound_s(timeout_s: float) -> float:
 
 
 class Timer(Protocol):
+    """Times one region: ``start()`` before the timed work is issued, ``stop(synchronize)`` right after it.
+
+    ``stop`` takes the wait for the device (``Backend.synchronize``) so that each timer puts the end of the
+    region on its own side of that wait: a CUDA timer records its end event on the stream BEFORE the host
+    waits (no host wake-up or launch latency in the figure), a host clock reads AFTER it (the work must be
+    done). One call for both keeps the harness free of per-clock branches."""
+
     def start(self) -> None: ...
-    def stop(self) -> None: ...
+    def stop(self, synchronize: Callable[[], None] | None = None) -> None: ...
     def seconds(self) -> float: ...
 
 
 class CpuTimer:
-    """Host wall clock (the caller synchronizes the device before ``stop`` where it matters)."""
+    """Host wall clock; ``stop`` reads it after ``synchronize`` (the work is done by then)."""
 
     def __init__(self) -> None:
         self._start = self._stop = 0.0
@@ -57,7 +65,9 @@ class CpuTimer:
     def start(self) -> None:
         self._start = time.perf_counter()
 
-    def stop(self) -> None:
+    def stop(self, synchronize: Callable[[], None] | None = None) -> None:
+        if synchronize is not None:
+            synchronize()
         self._stop = time.perf_counter()
 
     def seconds(self) -> float:
@@ -65,7 +75,8 @@ class CpuTimer:
 
 
 class CudaTimer:
-    """CUDA events on the current stream; ``seconds`` waits for the end event."""
+    """CUDA events on the current stream; ``stop`` records the end event before ``synchronize`` waits, so
+    the time is the stream's between the two events; ``seconds`` waits for the end event."""
 
     def __init__(self, device: torch.device) -> None:
         self._begin = torch.cuda.Event(enable_timing=True)
@@ -75,8 +86,10 @@ class CudaTimer:
     def start(self) -> None:
         self._begin.record(torch.cuda.current_stream(self._device))
 
-    def stop(self) -> None:
+    def stop(self, synchronize: Callable[[], None] | None = None) -> None:
         self._end.record(torch.cuda.current_stream(self._device))
+        if synchronize is not None:
+            synchronize()
 
     def seconds(self) -> float:
         self._end.synchronize()
@@ -258,15 +271,22 @@ def init_comm(
     if timeout_s <= 0:
         raise UsageError(f"timeout must be positive, got {timeout_s} s")
     backend = process_group_backend(resolve_backend(backend, world_size)[0])
+    group_timeout_s = float(timeout_s)
     if backend == "nccl":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+        # Before the group exists (torch reads them then): a failed or timed-out NCCL collective becomes a
+        # Python error here, and torch's own kill comes after commbench's watchdog (run.nccl_env).
+        group_timeout_s = apply_nccl_error_env(timeout_s, hang_bound_s(timeout_s)).process_group_timeout_s
     else:
         device = torch.device("cpu")
     monitor = current_monitor()
     interval = beat_interval_s(timeout_s)
     if monitor is not None and board is not None:
         monitor.attach(board, world_size, str(device), interval)
+    if monitor is not None and progress is None:  # no launcher watches this rank (torchrun, Slurm)
+        progress = [0.0] * world_size
+        monitor.watch_progress(hang_bound_s(timeout_s), float(timeout_s), progress)
     comm = Comm(
         rank, world_size, local_rank, device, backend, None, float(timeout_s), progress, liveness=monitor
     )
@@ -277,7 +297,7 @@ def init_comm(
             init_method="env://",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=group_timeout_s),
             **({"device_id": device} if backend == "nccl" else {}),
         )
     if monitor is not None and monitor.board is None and world_size > 1:

@@ -1,21 +1,28 @@
 """The timing loop: every job's phases warmed up, timed, verified and emitted as rows (nccl-tests' BenchTime).
 
 Per phase (dispatch, combine, or the balanced "alltoall") every rank runs ``warmup`` untimed iterations of
-``barrier -> phase call -> synchronize``, then ``iters`` timed ones of
+``barrier -> phase call -> synchronize``, then times ``iters`` calls the job's way (``job.timing``):
 
-    poison receive buffers -> synchronize -> barrier -> [start timer] -> phase call -> synchronize ->
-    [stop timer] -> barrier -> check this iteration's output
+* "window" (the balanced sweep's default, nccl-tests' way): poison receive buffers -> synchronize ->
+  barrier -> [start timer] -> ``iters`` back-to-back calls -> [stop timer] -> synchronize; each rank's
+  seconds per iteration = window / iters, one sample per rank. The calls overwrite the same receive buffers
+  (as in nccl-tests), so only the window's final output is verified, byte for byte (check "window-last").
+* "iteration" (the MoE phases' default): per iteration poison receive buffers -> synchronize -> barrier ->
+  [start timer] -> phase call -> [stop timer] -> synchronize -> barrier -> check this iteration's output;
+  one sample per iteration.
 
-an emulated backend's modelled time replacing the timer's. Verification covers every timed iteration
-(``RunOptions.check_mode``): the backend fills its receive buffers with a sentinel before each one
-(``Backend.poison_receive_buffers``), so a call that moves nothing cannot pass on the previous iteration's
-bytes; then ``checksum`` (default) compares a checksum of each iteration's output with the expected one and
-verifies the last iteration in full, ``every`` verifies every iteration in full (``Phase.check``). Nothing of
-this runs between the timer's start and stop. ``wrong`` sums every rank's checked iterations; a backend that
-moves no data (mock, sim) is not checked and its rows say #wrong None (n/a). A job with wrong > 0 still
-writes its rows, then every rank raises VerificationError. A phase's rows (``run.rows``) take their bytes
-from the job's Pattern (the pattern ``commbench pattern`` prints) and their times from every rank's timed
-iterations.
+The timer's end is taken by ``Timer.stop(backend.synchronize)``: a CUDA timer records its end event on the
+stream before the host waits, a host clock reads after the wait. An emulated backend's modelled time
+replaces the timer's (a window: the sum of its calls' modelled times / iters). Verification in iteration
+timing covers every timed iteration (``RunOptions.check_mode``): the backend fills its receive buffers with a
+sentinel before each one (``Backend.poison_receive_buffers``), so a call that moves nothing cannot pass on
+the previous iteration's bytes; then ``checksum`` (default) compares a checksum of each iteration's output
+with the expected one and verifies the last iteration in full, ``every`` verifies every iteration in full
+(``Phase.check``; refused with window timing). Nothing of this runs inside the timed region. ``wrong`` sums
+every rank's checked outputs; a backend that moves no data (mock, sim) is not checked and its rows say
+#wrong None (n/a). A job with wrong > 0 still writes its rows, then every rank raises VerificationError. A
+phase's rows (``run.rows``) take their bytes from the job's Pattern (the pattern ``commbench pattern``
+prints) and their times from every rank's samples.
 
 Knob sweeps: consecutive jobs with the same effective backend options (``job_backend_options``) share one
 backend; the previous one is closed before the next setting's backend is built.
@@ -38,7 +45,15 @@ from commbench.errors import VerificationError
 from commbench.inputs.layout import Layout
 from commbench.plain import knobs_text
 from commbench.run.interface import Backend
-from commbench.run.jobs import CHECK_MODES, BalancedJob, MoeJob, RunOptions, job_backend_options
+from commbench.run.jobs import (
+    CHECK_MODES,
+    CHECK_WINDOW_LAST,
+    BalancedJob,
+    MoeJob,
+    RunOptions,
+    check_timing,
+    job_backend_options,
+)
 from commbench.run.phases import (
     MoeLayer,
     Phase,
@@ -60,14 +75,19 @@ Emit = Callable[[dict, list[dict]], None]
 class Measured:
     """One phase as every rank timed and checked it (gathered, the same on every rank)."""
 
-    seconds: np.ndarray  # float64 [ranks, iters]
-    wrong: int | None  # summed over ranks and checked iterations; None = not checked
-    wrong_iters: int = 0  # timed iterations with something wrong on any rank
+    seconds: np.ndarray  # float64 [ranks, samples]: one per timed iteration, or one per window
+    wrong: int | None  # summed over ranks and checked outputs; None = not checked
+    wrong_iters: int = 0  # checked outputs (iterations, the window's last) with something wrong on any rank
 
 
-def check_label(backend: Backend, opts: RunOptions) -> str:
-    """The rows' ``check`` column: the check mode, or "n/a" for a backend that moves no data."""
-    return opts.check_mode if backend.moves_data else "n/a"
+def check_label(backend: Backend, opts: RunOptions, timing: str = "iteration") -> str:
+    """The rows' ``check`` column: the check mode, "window-last" where window timing verifies the window's
+    final output, or "n/a" for a backend that moves no data."""
+    if not backend.moves_data:
+        return "n/a"
+    if timing == "window" and opts.check_mode in CHECK_MODES:
+        return CHECK_WINDOW_LAST
+    return opts.check_mode
 
 
 def run_jobs(
@@ -87,6 +107,8 @@ def run_jobs(
     opts.check(comm.world_size)
     for job in jobs:
         job.check(comm.world_size)
+        if backend_class.moves_data:  # nothing is verified otherwise, so any check mode fits any timing
+            check_timing(job, opts)
     if layout is None:
         layout = gather_layout(comm, opts)
     rows: list[dict] = []
@@ -104,7 +126,7 @@ def run_jobs(
         for job in jobs:
             backend = backends.get(job_backend_options(job, opts))
             run = _run_moe if isinstance(job, MoeJob) else _run_balanced
-            maker = RowMaker(job, backend, layout, check_label(backend, opts))
+            maker = RowMaker(job, backend, layout, check_label(backend, opts, job.timing))
             failures = run(comm, backend, job, opts, maker, emit)
             if failures:
                 setting = f" ({knobs_text(job.backend_options)})" if job.backend_options else ""
@@ -142,39 +164,22 @@ class _BackendPerSetting:
 
 
 def bench(comm: Any, backend: Backend, job: MoeJob | BalancedJob, phase: Phase, opts: RunOptions) -> Measured:
-    """Warm up, then time and check ``job.iters`` iterations (see the module docstring); every rank's times
-    and #wrong, gathered. ``opts.corrupt`` (the test hook) changes the last output on rank 0 before its
-    full check."""
-    mode = check_label(backend, opts)
-    checking = mode in CHECK_MODES
-    timers = [comm.timer() for _ in range(job.iters)]
-    modelled: list[float | None] = []
-    wrong: list[int] = []  # this rank's count per timed iteration
+    """Warm up, time ``job.iters`` calls the job's way and check them (see the module docstring); every
+    rank's times and #wrong, gathered. ``opts.corrupt`` (the test hook) changes the last output on rank 0
+    before its full check."""
+    mode = check_label(backend, opts, job.timing)
+    checking = mode in (*CHECK_MODES, CHECK_WINDOW_LAST)
+    wrong: list[int] = []  # this rank's count per checked output
     comm.heartbeat()
     with comm.guard(f"job {job.name!r} {phase.label}"):
         for _ in range(job.warmup):  # warm-up
             comm.barrier()
             phase.call()
             backend.synchronize()
-        for index, timer in enumerate(timers):  # timed loop
-            if checking:  # before the barrier: no peer writes into a buffer while it is being poisoned
-                backend.poison_receive_buffers()
-                backend.synchronize()
-            comm.barrier()
-            timer.start()
-            output = phase.call()
-            backend.synchronize()
-            timer.stop()
-            modelled.append(backend.modelled_seconds())
-            if checking:
-                # Checks start once every rank has stopped its timer: on a shared CPU host a fast rank's
-                # check would otherwise take cycles from a peer still inside its timed call.
-                comm.barrier()
-                if index < len(timers) - 1:  # the last one is verified in full below
-                    check = phase.check.full if mode == "every" else phase.check.checksum
-                    wrong.append(check(output))
-                    comm.heartbeat()
-    seconds = [m if m is not None else timer.seconds() for m, timer in zip(modelled, timers, strict=True)]
+        if job.timing == "window":  # timed loop
+            seconds, output = _timed_window(comm, backend, phase, job.iters, checking)
+        else:
+            seconds, output = _timed_iterations(comm, backend, phase, job.iters, mode, wrong)
     if checking:
         if opts.corrupt == phase.corrupted_by and comm.rank == 0:
             phase.corrupt(output)
@@ -184,14 +189,75 @@ def bench(comm: Any, backend: Backend, job: MoeJob | BalancedJob, phase: Phase, 
     times = np.array([g[0] for g in gathered], dtype=np.float64)
     if not checking:
         return Measured(times, None)
-    per_iteration = np.array([g[1] for g in gathered], dtype=np.int64).sum(axis=0)
-    return Measured(times, int(per_iteration.sum()), int(np.count_nonzero(per_iteration)))
+    per_output = np.array([g[1] for g in gathered], dtype=np.int64).sum(axis=0)
+    return Measured(times, int(per_output.sum()), int(np.count_nonzero(per_output)))
 
 
-def _failures(phase: Phase, measured: Measured, iters: int) -> list[str]:
+def _timed_iterations(
+    comm: Any, backend: Backend, phase: Phase, iters: int, mode: str, wrong: list[int]
+) -> tuple[list[float], Any]:
+    """``iters`` timed calls, each after its own poison and barrier: (seconds of each, the last output).
+    Appends this rank's #wrong of every iteration but the last (the caller verifies that one in full) to
+    ``wrong``. Modelled times replace the timer's."""
+    checking = mode in CHECK_MODES
+    timers = [comm.timer() for _ in range(iters)]
+    modelled: list[float | None] = []
+    output = None
+    for index, timer in enumerate(timers):
+        if checking:  # before the barrier: no peer writes into a buffer while it is being poisoned
+            backend.poison_receive_buffers()
+            backend.synchronize()
+        comm.barrier()
+        timer.start()
+        output = phase.call()
+        timer.stop(backend.synchronize)
+        modelled.append(backend.modelled_seconds())
+        if checking:
+            # Checks start once every rank has stopped its timer: on a shared CPU host a fast rank's
+            # check would otherwise take cycles from a peer still inside its timed call.
+            comm.barrier()
+            if index < iters - 1:
+                check = phase.check.full if mode == "every" else phase.check.checksum
+                wrong.append(check(output))
+                comm.heartbeat()
+    seconds = [m if m is not None else timer.seconds() for m, timer in zip(modelled, timers, strict=True)]
+    return seconds, output
+
+
+def _timed_window(
+    comm: Any, backend: Backend, phase: Phase, iters: int, checking: bool
+) -> tuple[list[float], Any]:
+    """One timer around ``iters`` back-to-back calls (nccl-tests' timed loop): ([window / iters], the last
+    output). An emulated backend's modelled times are summed over the window's calls."""
+    if checking:  # the calls overwrite one output: poisoned first, the last call must deliver all of it
+        backend.poison_receive_buffers()
+        backend.synchronize()
+    comm.barrier()
+    timer = comm.timer()
+    modelled: list[float | None] = []
+    output = None
+    timer.start()
+    for _ in range(iters):
+        output = phase.call()
+        if backend.emulated:  # a class attribute: real backends read no modelled time inside the window
+            modelled.append(backend.modelled_seconds())
+        # The launcher's hang watchdog wants progress every 2 x timeout + 5 s, which a window of many slow
+        # calls can exceed; one shared-memory store (~0.1 us) against >= 10 us of host work a call.
+        comm.heartbeat()
+    timer.stop(backend.synchronize)
+    known = [m for m in modelled if m is not None]
+    if modelled and len(known) == len(modelled):
+        return [sum(known) / iters], output
+    return [timer.seconds() / iters], output
+
+
+def _failures(phase: Phase, measured: Measured, job: MoeJob | BalancedJob) -> list[str]:
     if not measured.wrong:
         return []
-    where = f"in {measured.wrong_iters} of {iters} timed iterations"
+    if job.timing == "window":
+        where = f"in the last of {job.iters} back-to-back timed iterations (window timing)"
+    else:
+        where = f"in {measured.wrong_iters} of {job.iters} timed iterations"
     return [f"{phase.label} #wrong={measured.wrong} {phase.unit} {where}"]
 
 
@@ -205,7 +271,7 @@ def _run_balanced(
         measured = bench(comm, backend, job, phase, opts)  # warm-up, timed loop, verify
         row_bytes = pattern.stats["bytes_per_peer"]
         emit(*maker.rows("alltoall", pattern.dispatch_bytes, row_bytes, measured.seconds, measured.wrong))
-        failures += _failures(phase, measured, job.iters)
+        failures += _failures(phase, measured, job)
     return failures
 
 
@@ -241,7 +307,7 @@ def _run_moe(
             held.append(made)
         else:
             emit(*made)
-        failures += _failures(phase, measured, job.iters)
+        failures += _failures(phase, measured, job)
     if opts.imbalance_cost:
         references, reference_failures = _imbalance_reference(comm, backend, job, opts, pattern, plans)
         for row, rank_rows in held:
@@ -265,5 +331,5 @@ def _imbalance_reference(
         comm, backend, job, balanced, reference_opts, " imbalance-cost balanced reference"
     ):
         columns[phase.name] = reference_columns(matrices[phase.name], measured.seconds)
-        failures += _failures(phase, measured, job.iters)
+        failures += _failures(phase, measured, job)
     return columns, failures

@@ -2,7 +2,9 @@
 
 Each job checks itself against the world size before any collective (``check``), so a bad job is a one-line
 UsageError on every rank instead of a hang. A job may carry its own backend options (a knob setting of a
-sweep, ``backend_options``), laid over ``RunOptions.backend_options`` (``job_backend_options``).
+sweep, ``backend_options``), laid over ``RunOptions.backend_options`` (``job_backend_options``), and says how
+its phases are timed (``timing``, one of TIMINGS): "window" for the balanced sweep, "iteration" for MoE
+phases by default.
 """
 
 from __future__ import annotations
@@ -21,14 +23,23 @@ CORRUPT_PHASES = ("dispatch", "combine")
 # --check: "checksum" (default) checksums every timed iteration and verifies the last in full; "every"
 # verifies every timed iteration in full. Both poison the receive buffers before each timed iteration.
 CHECK_MODES = ("checksum", "every")
+# Window timing checks only the window's final output, byte for byte: the rows' check column says so.
+CHECK_WINDOW_LAST = "window-last"
+# How a phase is timed. "window" (nccl-tests' way, the balanced sweep's default): barrier, then one timer
+# around ``iters`` back-to-back calls, seconds per iteration = window / iters, one sample per rank.
+# "iteration" (the MoE phases' default; like nccl-tests -z 3): barrier, timer, one call, synchronize per
+# iteration, one sample per iteration (percentiles, every iteration checked).
+TIMINGS = ("window", "iteration")
 # Benchmark-only (benchmarks/bench_check.py, never offered by the CLI): no poisoning, no verification at
 # all; rows say check "off" and #wrong n/a. The baseline the cost of checking is measured against.
 CHECK_OFF = "off"
 
 
-def _check_repeats(name: str, warmup: int, iters: int) -> None:
+def _check_repeats(name: str, warmup: int, iters: int, timing: str) -> None:
     if iters < 1 or warmup < 0:
         raise UsageError(f"job {name!r}: need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
+    if timing not in TIMINGS:
+        raise UsageError(f"job {name!r}: unknown timing {timing!r}; choose {' or '.join(TIMINGS)}")
 
 
 @dataclass
@@ -43,10 +54,11 @@ class MoeJob:
     warmup: int = 5
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
+    timing: str = "iteration"  # TIMINGS: per-iteration checks and percentiles
 
     def check(self, world_size: int) -> None:
         """UsageError unless the job can run on ``world_size`` ranks."""
-        _check_repeats(self.name, self.warmup, self.iters)
+        _check_repeats(self.name, self.warmup, self.iters, self.timing)
         if self.routing.world_size != world_size:
             raise UsageError(
                 f"job {self.name!r} is routed for {self.routing.world_size} ranks but {world_size} are "
@@ -74,10 +86,11 @@ class BalancedJob:
     warmup: int = 5
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
+    timing: str = "window"  # TIMINGS: nccl-tests' default
 
     def check(self, world_size: int) -> None:
         """UsageError unless every size can run on ``world_size`` ranks."""
-        _check_repeats(self.name, self.warmup, self.iters)
+        _check_repeats(self.name, self.warmup, self.iters, self.timing)
         if not self.sizes:
             raise UsageError(f"job {self.name!r}: a balanced all-to-all needs at least one size")
         for size in self.sizes:
@@ -111,6 +124,13 @@ class RunOptions:
         if self.check_mode not in (*CHECK_MODES, CHECK_OFF):
             raise UsageError(f"unknown check mode {self.check_mode!r}; choose {' or '.join(CHECK_MODES)}")
         build_layout(world_size, self.ranks_per_domain, self.ranks_per_host)
+
+
+def check_timing(job: Job, opts: RunOptions) -> None:
+    """UsageError where the job's timing cannot give what the check mode verifies: --check every verifies
+    each timed iteration's output, which window timing overwrites with the next one."""
+    if opts.check_mode == "every" and job.timing == "window":
+        raise UsageError("--check every needs --timing iteration")
 
 
 def job_backend_options(job: Job, opts: RunOptions) -> dict[str, Any]:

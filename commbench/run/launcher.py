@@ -143,7 +143,9 @@ def _worker(
     if rank != 0:  # only rank 0 prints progress
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
         warnings.simplefilter("ignore")
-    if backend == "gloo":  # CPU ranks share this host's cores: no oversubscription by intra-op threads
+    # CPU ranks share this host's cores: no oversubscription by intra-op threads (each rank routes every
+    # source rank's tokens); an explicit OMP_NUM_THREADS is the user's choice.
+    if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     comm = None
     try:
@@ -407,21 +409,8 @@ def launch_error(
     for rank, (exc, text) in sorted(errors.items()):
         if not isinstance(exc, CommbenchError):
             return RuntimeError(f"rank {rank} failed with {type(exc).__name__}: {exc}\n{text}")
-    # 3. A rank that died without reporting (killed, os._exit, crash in native code), the first seen first:
-    # NCCL's watchdog aborts the peers of a dead rank too.
-    ordered = [*first_failed, *(rank for rank in range(len(processes)) if rank not in first_failed)]
-    for rank in ordered:
-        code = processes[rank].exitcode
-        if rank not in outcomes and rank not in stopped and code not in (None, 0):
-            hint = (
-                " (SIGKILL is often the out-of-memory killer: check dmesg)" if code == -signal.SIGKILL else ""
-            )
-            return CommError(
-                f"rank {rank} exited with {_exit_description(code)} without reporting an error; "
-                f"the other ranks were stopped{hint}"
-            )
-    # 4. A rank that stopped responding (SIGSTOP, stuck in the kernel, frozen) while its peers timed out
-    # waiting for it: the cause, ahead of their timeouts.
+    # Ranks that stopped responding (SIGSTOP, stuck in the kernel, frozen) while their peers waited (step 4),
+    # found first: step 3 needs them.
     now = time.time()
     silent = sorted(
         rank for rank in liveness if rank not in outcomes or isinstance(outcomes[rank][1], StoppedError)
@@ -429,9 +418,34 @@ def launch_error(
     causes = [
         text for rank in silent if (text := _unresponsive(rank, *liveness[rank], now, timeout_s)) is not None
     ]
+    # 3. A rank that died without reporting (killed, os._exit, crash in native code), the first seen first:
+    # NCCL's watchdog aborts the peers of a dead rank too. A rank torch aborted (SIGABRT: its NCCL watchdog
+    # ends a rank whose collective timed out) while another stopped responding is a consequence.
+    ordered = [*first_failed, *(rank for rank in range(len(processes)) if rank not in first_failed)]
+    aborted = []
+    for rank in ordered:
+        code = processes[rank].exitcode
+        if rank in outcomes or rank in stopped or code in (None, 0):
+            continue
+        if code == -signal.SIGABRT and causes:
+            aborted.append(rank)
+            continue
+        hint = {
+            -signal.SIGKILL: " (SIGKILL is often the out-of-memory killer: check dmesg)",
+            -signal.SIGABRT: " (SIGABRT: torch's NCCL watchdog ends a rank whose collective failed or timed "
+            "out, unless TORCH_NCCL_ASYNC_ERROR_HANDLING is 0 or 2)",
+        }.get(code, "")
+        return CommError(
+            f"rank {rank} exited with {_exit_description(code)} without reporting an error; "
+            f"the other ranks were stopped{hint}"
+        )
+    # 4. A rank that stopped responding while its peers timed out waiting for it: the cause, ahead of their
+    # timeouts.
     if causes:
         waiting = sorted(rank for rank, (exc, _) in errors.items() if isinstance(exc, CommError))
         tail = f"; rank(s) {', '.join(map(str, waiting))} timed out waiting" if waiting else ""
+        if aborted:
+            tail += f"; rank(s) {', '.join(map(str, sorted(aborted)))} aborted by torch (SIGABRT) waiting"
         return CommError(f"{'; '.join(causes[:4])}{tail} (timeout {timeout_s:g} s); all ranks were stopped")
     if hung:
         ranks = ", ".join(str(rank) for rank in hung)

@@ -13,12 +13,19 @@ it too). The thread also hears the signal (``signal.set_wakeup_fd``) while the m
 and ends the process itself ``STOP_GRACE_S`` later if it is still there. A spawned rank also watches its
 launcher: the kernel's parent-death signal (``PR_SET_PDEATHSIG``) and a parent-pid check on every beat turn
 a launcher's death into SIGTERM.
+
+Hangs: a rank no launcher watches (torchrun, Slurm) watches itself (``RankMonitor.watch_progress``). When the
+main thread has made no progress (heartbeat, or entering or leaving an operation) for the bound the launcher
+uses for spawned ranks, the thread reports the hang as the launcher would, one line naming the operation and
+the peers it waited for, and ends the process with exit code 4: a collective stuck in C (an NCCL kernel whose
+peer is stopped) cannot raise. That bound comes before torch's own NCCL kill (``run.nccl_env``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import glob
 import os
 import select
@@ -32,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from commbench.errors import StoppedError, signal_name
+from commbench.errors import CommError, StoppedError, signal_name
 from commbench.run.heartbeats import (
     STORE_BOUND_S,
     Beat,
@@ -108,6 +115,32 @@ def remove_scratch(launch_id: str) -> None:
                     os.unlink(path)
 
 
+def process_gone(pid: int) -> bool:
+    """True when ``pid`` (on this host) has exited: absent, or a zombie not yet reaped."""
+    return process_state(pid) in (None, "Z", "X")
+
+
+def hang_message(rank: int, activity: str, idle_s: float, timeout_s: float, peers: str) -> str:
+    """The line of a rank whose own watchdog found it stuck: "rank 1: 'job 'x' dispatch' made no progress
+    for 25 s (hang; timeout 10 s) waiting for rank 2 (...): last seen 24 s ago in '...'"."""
+    head = (
+        f"rank {rank}: '{activity or 'no operation'}' made no progress for {idle_s:.0f} s "
+        f"(hang; timeout {timeout_s:g} s)"
+    )
+    if peers.startswith("waiting for"):
+        return f"{head} {peers}"
+    return f"{head}; {peers}" if peers else head
+
+
+def _report_hang(error: CommError) -> None:
+    """The rank's last word before its watchdog ends it, as the CLI words a CommError, and exit code 4."""
+    with contextlib.suppress(Exception):
+        sys.stderr.write(f"commbench: error: {error}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    os._exit(error.exit_code)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # One rank's monitor
 
@@ -156,6 +189,13 @@ class RankMonitor:
             os.set_blocking(fd, False)
         self._previous_wakeup: int | None = None
         self._hard_signum = int(signal.SIGTERM)
+        self._changed = time.monotonic()  # the main thread entered or left an operation
+        # Per-rank progress times (``Comm.heartbeat``), read by this rank's own hang watchdog.
+        self._progress: Any = None
+        self._hang_bound_s = 0.0  # 0: this rank's own hang watchdog is off (a launcher watches it)
+        self._timeout_s = 0.0
+        self._on_hang: Callable[[CommError], None] = _report_hang
+        self._hung = False
         self._thread = threading.Thread(target=self._loop, name="commbench-heartbeat", daemon=True)
 
     @classmethod
@@ -223,10 +263,55 @@ class RankMonitor:
 
     def enter(self, operation: str) -> None:
         self._stack.append((operation, time.time()))
+        self._changed = time.monotonic()
 
     def leave(self) -> None:
         if self._stack:
             self._stack.pop()
+        self._changed = time.monotonic()
+
+    def watch_progress(
+        self,
+        bound_s: float,
+        timeout_s: float,
+        progress: Any,
+        on_hang: Callable[[CommError], None] | None = None,
+    ) -> None:
+        """This rank's own hang watchdog, for a rank no launcher watches: after ``bound_s`` without progress
+        (``progress[rank]``, the ``time.monotonic()`` of the last ``Comm.heartbeat``, or an operation entered
+        or left) the thread reports the hang (``on_hang``; by default the one stderr line and exit code 4).
+        Not while a stop signal is being handled or rank 0 writes its files (``deferred``)."""
+        self._progress, self._timeout_s = progress, float(timeout_s)
+        if on_hang is not None:
+            self._on_hang = on_hang
+        self._changed = time.monotonic()
+        self._hang_bound_s = float(bound_s)
+
+    def idle_s(self) -> float:
+        """Seconds since the main thread last made progress (heartbeat, or an operation entered or left)."""
+        last = self._changed
+        with contextlib.suppress(Exception):
+            last = max(last, float(self._progress[self.rank]))
+        return time.monotonic() - last
+
+    def hang_error(self) -> CommError:
+        """The error of this rank stuck in its current operation, naming the peers it waits for."""
+        text = hang_message(
+            self.rank, self.activity()[0], self.idle_s(), self._timeout_s, self.peers_text(True)
+        )
+        return CommError(text)
+
+    def _check_hang(self) -> None:
+        if not self._hang_bound_s or self._hung or self.stop_at is not None or self._deferring:
+            return
+        if self.idle_s() <= self._hang_bound_s:
+            return
+        self._hung = True
+        error = self.hang_error()
+        self.note_failure()
+        with contextlib.suppress(Exception):  # the peers read why this rank left
+            self.leaving("failed")
+        self._on_hang(error)
 
     def activity(self) -> tuple[str, float]:
         stack = list(self._stack)  # one atomic copy: the main thread pushes and pops
@@ -310,6 +395,7 @@ class RankMonitor:
             grace = STOP_GRACE_S * (2 if self._deferring else 1)
             if self.stop_at is not None and time.monotonic() - self.stop_at > grace:
                 self._hard_exit()
+            self._check_hang()
 
     def _hard_exit(self) -> None:
         """The main thread did not end within the grace: clean up and leave now."""
@@ -353,5 +439,19 @@ class RankMonitor:
         except BoardUnavailable as exc:
             return f"peers' heartbeats unavailable: {exc}"
         return describe_peers(
-            beats, self.rank, self.world_size, self.activity()[0], self.interval_s, timed_out
+            _gone_marked(beats), self.rank, self.world_size, self.activity()[0], self.interval_s, timed_out
         )
+
+
+def _gone_marked(beats: dict[int, Beat]) -> dict[int, Beat]:
+    """Peers on this host whose process has exited without a last beat (killed; aborted, e.g. SIGABRT from
+    torch's NCCL watchdog) are marked as gone rather than left looking stale."""
+    host = socket.gethostname()
+    return {
+        rank: (
+            dataclasses.replace(beat, state="exited without a last heartbeat: killed or aborted")
+            if beat.state == "running" and beat.host == host and process_gone(beat.pid)
+            else beat
+        )
+        for rank, beat in beats.items()
+    }

@@ -3,11 +3,14 @@
 Rows hold bytes, times and what was run (job case, backend, knobs, layout); no bandwidth: the report derives
 every GB/s and percentage from these columns. A phase's bytes are its Pattern matrix (self traffic in
 ``total_bytes`` and ``size_bytes``, not in link columns); link classes (``traffic.links``) split them by the
-run's layout. Times: an iteration's time is the MAX over ranks (the bottleneck rank); rows report the
-min/p50/p99/mean of those, in microseconds. ``wrong`` sums every rank's checked iterations and ``check``
-says how they were checked (``RunOptions.check_mode``); a backend that moves no data has wrong None (n/a)
-and check "n/a". Knobs go in as data: one column per backend knob, and ``knobs``,
-a dict of the setting (the report writes it as "k=v k=v" text).
+run's layout. Times: every rank's samples [ranks, samples], ``timing`` saying which ("iteration": one per
+timed iteration; "window": one per rank, window / iters, as nccl-tests); a sample's time is the MAX over
+ranks (the bottleneck rank: nccl-tests -a 3, where its default -a 1 averages the ranks); rows report the
+min/p50/p99/mean of those, in microseconds (all four equal in window timing). ``wrong`` sums every rank's
+checked outputs and ``check`` says how they were checked (``RunOptions.check_mode``, or "window-last": the
+window's final output, byte for byte); a backend that moves no data has wrong None (n/a) and check "n/a".
+Knobs go in as data: one column per backend knob, and ``knobs``, a dict of the setting (the report writes
+it as "k=v k=v" text).
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def byte_columns(matrix: np.ndarray) -> dict[str, int]:
 
 
 def time_columns(seconds: np.ndarray) -> dict[str, float]:
-    """seconds [ranks, iters] -> stats of the per-iteration max over ranks, in microseconds."""
+    """seconds [ranks, samples] -> stats of the per-sample max over ranks, in microseconds."""
     bottleneck_us = seconds.max(axis=0) * 1e6
     return {
         "time_us_min": float(bottleneck_us.min()),
@@ -108,7 +111,7 @@ class RowMaker:
     job: Job
     backend: Backend
     layout: Layout
-    check: str = "checksum"  # the rows' check column: a RunOptions.check_mode, or "n/a"
+    check: str = "checksum"  # the rows' check column: a RunOptions.check_mode, "window-last" or "n/a"
 
     def case(self) -> dict[str, Any]:
         job = self.job
@@ -136,9 +139,9 @@ class RowMaker:
         wrong: int | None,
         expert_load: np.ndarray | None = None,
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        """(result row, rank rows) of one phase: ``matrix`` its [src][dst] bytes, ``seconds`` [ranks, iters]
-        every rank's timed iterations, ``wrong`` the sum over ranks (None: not checked), ``expert_load`` the
-        job's (MoE)."""
+        """(result row, rank rows) of one phase: ``matrix`` its [src][dst] bytes, ``seconds`` [ranks,
+        samples] every rank's timed iterations or window, ``wrong`` the sum over ranks (None: not checked),
+        ``expert_load`` the job's (MoE)."""
         case = self.case()
         layout, backend = self.layout, self.backend
         knobs = row_knobs(backend, self.job)
@@ -153,6 +156,7 @@ class RowMaker:
             **case,
             "warmup": self.job.warmup,
             "iters": self.job.iters,
+            "timing": self.job.timing,
             "row_bytes": int(row_bytes),
             **byte_columns(matrix),
             "num_domains": layout.num_domains,

@@ -376,7 +376,7 @@ def test_end_to_end_run_and_report(tmp_path: Path, small_model: Path) -> None:
     assert done.returncode == 0, done.stderr
     for name in REPORT_FILES:
         assert (out / name).is_file(), name
-    assert "Avg bus bandwidth" in done.stdout
+    assert "# MoE phases:" in done.stdout and "Avg bus bandwidth" not in done.stdout
     assert f"report written to {out}" in done.stdout
     assert "[1/2] small zipf:1.2 dispatch" in done.stderr and "[2/2]" in done.stderr
 
@@ -406,7 +406,7 @@ def test_end_to_end_run_and_report(tmp_path: Path, small_model: Path) -> None:
         (out / name).unlink()
     again = invoke(["report", str(out)])
     assert again.exit_code == 0, again.output
-    assert "Avg bus bandwidth" in again.stdout
+    assert "# MoE phases:" in again.stdout and "# Total #wrong         : 0" in again.stdout
     for name in REPORT_FILES:
         assert (out / name).is_file(), name
     assert "## What skew costs" in (out / "summary.md").read_text()  # re-rendered from results.csv
@@ -513,3 +513,78 @@ def test_suite_runs_every_case_in_one_launch(tmp_path: Path, thread_ranks: None)
     assert balanced["skew_cost"].isna().all()
     assert "## What skew costs" in summary and "## By link class" in summary
     assert "found by host" in summary  # one process: one host, one NVLink domain
+
+
+# ---------------------------------------------------------------------------------------------------------
+# --timing (window as nccl-tests, or per iteration) and the meta args of the console header
+
+
+@pytest.mark.parametrize("command", ["run", "suite"])
+def test_check_every_with_window_timing_is_refused(tmp_path: Path, command: str) -> None:
+    out = tmp_path / "x"
+    args = [command, "--world-size", "2", "--backend", "mock", "--check", "every", "--timing", "window"]
+    result = invoke([*args, "--out", str(out)])
+    assert_usage_error(result, "--check every needs --timing iteration")
+    assert not out.exists()
+    result = invoke([*args[:5], "--timing", "fast", "--out", str(out)])
+    assert_usage_error(result, "'fast' is not one of 'window', 'iteration'")
+    assert not out.exists()
+
+
+def test_timing_defaults_per_kind_and_meta_args(tmp_path: Path, thread_ranks: None, small_model: Path):
+    def run(name: str, *extra: str) -> tuple[pd.DataFrame, dict]:
+        out = tmp_path / name
+        args = ["run", "--world-size", "2", "--backend", "mock", "--warmup", "0", "--iters", "3", *extra]
+        result = invoke([*args, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        return pd.read_csv(out / "results.csv"), json.loads((out / "meta.json").read_text())["args"]
+
+    balanced = ["--pattern", "balanced", "--min-bytes", "1K", "--max-bytes", "2K"]
+    rows, args = run("balanced", *balanced)
+    assert rows["timing"].tolist() == ["window", "window"]
+    assert (rows["time_us_min"] == rows["time_us_p99"]).all()  # one sample: window / iters
+    header = ("min_bytes", "max_bytes", "step_factor", "warmup", "iters", "check", "timing")
+    assert {key: args[key] for key in header} == {
+        "min_bytes": 1024,
+        "max_bytes": 2048,
+        "step_factor": 2.0,
+        "warmup": 0,
+        "iters": 3,
+        "check": "checksum",
+        "timing": None,  # each kind's default
+    }
+    rows, args = run("balanced-iteration", *balanced, "--timing", "iteration")
+    assert rows["timing"].tolist() == ["iteration"] * 2 and args["timing"] == "iteration"
+    rows, args = run("balanced-every", *balanced, "--check", "every")  # every needs per-iteration timing
+    assert rows["timing"].tolist() == ["iteration"] * 2 and args["check"] == "every"
+    rows, args = run("moe", "--model", str(small_model), "--tokens", "16")
+    assert rows["timing"].tolist() == ["iteration"] * 2 and args["min_bytes"] is None
+    rows, args = run("moe-window", "--model", str(small_model), "--tokens", "16", "--timing", "window")
+    assert rows["timing"].tolist() == ["window"] * 2 and args["timing"] == "window"
+
+
+def test_gloo_window_timing_detects_a_corrupted_output(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["run", "--pattern", "balanced", "--min-bytes", "1K", "--max-bytes", "1K", "--backend", "gloo"]
+    args += ["--world-size", "2", "--warmup", "1", "--iters", "5", "--timing", "window"]
+    args += ["--corrupt", "dispatch"]
+    done = run_commbench([*args, "--out", str(out)], tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert "#wrong=1 bytes in the last of 5 back-to-back timed iterations" in done.stderr
+    results = pd.read_csv(out / "results.csv")
+    assert results[["timing", "check", "wrong"]].values.tolist() == [["window", "window-last", 1]]
+
+
+def test_pattern_routes_on_one_cpu_thread_unless_omp_num_threads_says(
+    small_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = torch.get_num_threads()
+    args = ["pattern", "--model", str(small_model), "--world-size", "2", "--tokens", "8"]
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
+        assert invoke(args).exit_code == 0 and torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        assert invoke(args).exit_code == 0 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -96,10 +96,11 @@ def test_writer_appends_incrementally_and_finalizes(tmp_path: Path) -> None:
     assert len(data["results"]) == 3
     first_result = data["results"][0]
     assert first_result["size"] == 4096 and first_result["time"] == 10.0
-    assert first_result["bus_bw"] == pytest.approx(frame.iloc[0]["busbw_GBps"])
-    assert first_result["alg_bw"] == pytest.approx(frame.iloc[0]["algbw_GBps"])
+    assert first_result["bus_bw"] == pytest.approx(frame.iloc[0]["busbw_mean_GBps"])
+    assert first_result["alg_bw"] == pytest.approx(frame.iloc[0]["algbw_mean_GBps"])
     assert first_result["wrong"] == 0
-    assert data["average_bus_bandwidth"] == pytest.approx(frame["busbw_GBps"].mean())
+    # Over the balanced row alone (the MoE phases are not nccl-tests' sweep).
+    assert data["average_bus_bandwidth"]["bandwidth"] == pytest.approx(frame.iloc[0]["busbw_mean_GBps"])
 
     summary = (out / "summary.md").read_text()
     assert CONVENTIONS in summary
@@ -110,6 +111,66 @@ def test_writer_appends_incrementally_and_finalizes(tmp_path: Path) -> None:
     assert "data:image/png;base64," in html_text
     assert html_text.count("<img") >= 3  # balanced sweep, per-GPU vs spec, per-rank bytes
     assert "Conventions" in html_text and '<td class="num">4096 (4 KiB)</td>' in html_text
+
+
+def test_results_json_uses_nccl_tests_mean_time_and_footer() -> None:
+    rows = [
+        balanced_row(4, 4096, 10.0, time_us_mean=16.0, check="checksum"),
+        *skewed_rows(time_us_mean=150.0),
+    ]
+    meta = {"args": {"min_bytes": 4096, "max_bytes": 4096, "iters": 20, "warmup": 5}}
+    data = results_json(results_frame(rows, GB300), meta, GB300)
+    balanced, dispatch = data["results"][0], data["results"][1]
+    assert balanced["time"] == balanced["out_of_place"]["time"] == 16.0  # the mean, not p50 (10 us)
+    assert balanced["bus_bw"] == pytest.approx(4096 * 3 / 4 / 16e-6 / 1e9)
+    assert balanced["time_us_p50"] == 10.0 and balanced["busbw_GBps"] == pytest.approx(
+        4096 * 3 / 4 / 10e-6 / 1e9
+    )
+    assert (balanced["count"], balanced["type"], balanced["redop"], balanced["root"]) == (
+        1024,
+        "uint8",
+        "none",
+        -1,
+    )
+    assert dispatch["time"] == 150.0 and "count" not in dispatch
+    assert data["average_bus_bandwidth"] == {
+        "bandwidth": pytest.approx(balanced["bus_bw"]),
+        "okay": "unchecked",
+    }
+    assert data["out_of_bounds"] == {"count": 0, "okay": True}
+    config = data["config"]
+    assert (config["minimum_bytes"], config["iterations"], config["warmup_iters"]) == (4096, 20, 5)
+    assert config["timing"] == ["iteration"] and config["check"] == ["checksum"] and config["validation"] == 1
+    moe_only = results_json(results_frame(skewed_rows(), GB300), {}, GB300)
+    assert moe_only["config"] is None and moe_only["average_bus_bandwidth"]["bandwidth"] is None
+    assert moe_only["out_of_bounds"] == {"count": None, "okay": None}
+
+
+def test_conventions_say_which_time_every_figure_uses() -> None:
+    for words in (
+        "timing column",
+        "window (as nccl-tests)",
+        "iteration = a",
+        "the mean (time_us_mean",
+        "from p50",
+        "window-last",
+        "balanced all-to-all rows only",
+    ):
+        assert words in CONVENTIONS, words
+
+
+def test_pages_say_how_rows_were_timed(tmp_path: Path) -> None:
+    rows = [balanced_row(4, 4096, 10.0, timing="window"), *skewed_rows(timing="iteration")]
+    writer = ReportWriter(tmp_path / "run", {"args": {}}, GB300)
+    writer.add(rows, all_rank_rows(rows))
+    writer.finalize()
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "Timing: window (as nccl-tests" in summary and "; iteration (a barrier" in summary
+    assert "| timing |" in summary  # the rows mix modes: every table says which
+    assert "Avg bus bandwidth (balanced all-to-all only, busbw from the mean time):" in summary
+    assert "Balanced all-to-all tables: time = the mean" in summary
+    html_text = (tmp_path / "run" / "report.html").read_text()
+    assert "Timing: window (as nccl-tests" in html_text and "<th>timing</th>" in html_text
 
 
 def test_results_json_reads_like_nccl_tests_json() -> None:

@@ -39,6 +39,30 @@ def test_balanced_busbw_is_nccl_tests_busbw(world: int) -> None:
         assert row["per_gpu_GBps"] == row["busbw_GBps"]
 
 
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_mean_bandwidths_use_nccl_tests_time(world: int) -> None:
+    # nccl-tests' time is the mean over its iterations; p50-based columns stay for the MoE tables.
+    row = results_frame([balanced_row(world, world << 20, 250.0, time_us_mean=400.0)], GB300).iloc[0]
+    algbw = (world << 20) / 400e-6 / 1e9
+    assert row["algbw_mean_GBps"] == pytest.approx(algbw, rel=1e-12)
+    assert row["busbw_mean_GBps"] == pytest.approx(algbw * (world - 1) / world, rel=1e-12)
+    assert row["pct_spec_mean"] == pytest.approx(100 * row["busbw_mean_GBps"] / 900.0)
+    assert row["busbw_GBps"] == pytest.approx((world << 20) * (world - 1) / world / 250e-6 / 1e9)
+    old = {k: v for k, v in balanced_row(world, 4096, 10.0).items() if k != "time_us_mean"}
+    assert math.isnan(results_frame([old], GB300).iloc[0]["busbw_mean_GBps"])  # no mean: no figure
+
+
+def test_average_bus_bandwidth_is_over_the_balanced_rows_alone() -> None:
+    balanced = [
+        balanced_row(4, 4096, 10.0, time_us_mean=20.0),
+        balanced_row(4, 8192, 10.0, time_us_mean=40.0),
+    ]
+    frame = results_frame([*balanced, *skewed_rows(time_us=1.0)], GB300)
+    # Both balanced rows: 4096 x 3/4 B / 20 us = 0.1536 GB/s; the fast MoE phases are not averaged in.
+    assert average_bus_bandwidth(frame) == pytest.approx(4096 * 3 / 4 / 20e-6 / 1e9)
+    assert math.isnan(average_bus_bandwidth(results_frame(skewed_rows(), GB300)))
+
+
 def test_skewed_bandwidth_uses_bottleneck_rank_and_one_direction() -> None:
     frame = results_frame(skewed_rows(time_us=100.0), GB300)
     dispatch, combine = frame.iloc[0], frame.iloc[1]

@@ -1,12 +1,12 @@
-"""report.tables: the one table printer, the stdout results table and a sweep's knob setting."""
+"""report.tables: the one table printer and the report's tables (mean or p50 time, timing column)."""
 
 from __future__ import annotations
 
 import pytest
 
 from commbench.inputs.specs import load_spec
-from commbench.report import format_bandwidth, results_frame, results_table
-from commbench.report.tables import format_table
+from commbench.report import format_bandwidth, results_frame
+from commbench.report.tables import format_table, pattern_tables
 from tests.report.rows import balanced_row, skewed_rows
 
 GB300 = load_spec("gb300-nvl72")
@@ -39,38 +39,31 @@ def test_bad_table_input() -> None:
         format_table(["a", "b"], [["1"]])
 
 
-def test_results_table_has_columns_and_average_footer() -> None:
-    rows = [balanced_row(4, 4096, 10.0), balanced_row(4, 8192, 12.0), *skewed_rows()]
+def markdown_rows(table: str) -> list[list[str]]:
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table.splitlines()]
+
+
+def test_balanced_table_uses_nccl_tests_mean_time_and_moe_table_p50() -> None:
+    rows = [balanced_row(4, 4096, 10.0, time_us_mean=16.0), *skewed_rows(time_us_mean=150.0)]
     frame = results_frame(rows, GB300)
-    text = results_table(frame)
-    header = next(line for line in text.splitlines() if line.startswith("# pattern"))
-    for name in ("skew", "phase", "size(B)", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "%spec", "#wrong"):
-        assert name in header
-    assert "knobs" not in header  # no sweep: every row ran with the same (empty) setting
-    expected_avg = frame["busbw_GBps"].mean()
-    assert f"# Avg bus bandwidth    : {format_bandwidth(expected_avg)} GB/s" in text
-    assert float(format_bandwidth(expected_avg)) == pytest.approx(expected_avg, rel=5e-3)
-    assert "# Total #wrong         : 0" in text
-    assert "spec: gb300-nvl72 900.0 GB/s per GPU per direction" in text
-    body = [line for line in text.splitlines() if not line.startswith("#")]
-    assert len(body) == len(rows)
-    # nccl-tests layout: text columns left-aligned, a balanced row's empty skew is "-" in its column.
-    assert body[0].split()[:3] == ["balanced", "-", "alltoall"] and body[0].startswith("  balanced     -   ")
+    tables = dict(pattern_tables(frame, "markdown"))
+    header, _, balanced = markdown_rows(tables["balanced"])
+    cells = dict(zip(header, balanced, strict=True))
+    assert cells["time mean(us)"] == "16.0" and cells["p50(us)"] == "10.0"
+    assert cells["busbw(GB/s)"] == format_bandwidth(4096 * 3 / 4 / 16e-6 / 1e9)  # from the mean
+    header, _, dispatch, _ = markdown_rows(tables["toy"])
+    cells = dict(zip(header, dispatch, strict=True))
+    assert cells["time mean(us)"] == "150.0" and cells["p50(us)"] == "100.0"
+    assert cells["busbw(GB/s)"] == format_bandwidth(frame.iloc[1]["busbw_GBps"])  # from p50
+    assert "timing" not in header
 
 
-def test_results_table_flags_wrong_data() -> None:
-    frame = results_frame([{**balanced_row(4, 4096, 10.0), "wrong": 3}], GB300)
-    assert "# Total #wrong         : 3  (DATA MISMATCH)" in results_table(frame)
-
-
-@pytest.mark.parametrize("as_text", [False, True])
-def test_results_table_shows_what_a_sweep_varies(as_text: bool) -> None:
-    settings = [{"chunk_rows": 4, "signal": "chunk"}, {"chunk_rows": 8, "signal": "chunk"}]
-    rows = [balanced_row(4, 4096, 10.0, knobs=knobs) for knobs in settings]
-    if as_text:  # as re-read from results.csv
-        rows = [{**row, "knobs": " ".join(f"{k}={v}" for k, v in row["knobs"].items())} for row in rows]
-    text = results_table(results_frame(rows, GB300))
-    header = next(line for line in text.splitlines() if line.startswith("# pattern"))
-    assert header.endswith("knobs")
-    body = [line for line in text.splitlines() if not line.startswith("#")]
-    assert [line.split()[-1] for line in body] == ["chunk_rows=4", "chunk_rows=8"]
+def test_tables_show_timing_only_where_rows_mix_modes() -> None:
+    same = [balanced_row(4, 4096, 10.0, timing="window"), balanced_row(4, 8192, 10.0, timing="window")]
+    assert "timing" not in dict(pattern_tables(results_frame(same, GB300), "markdown"))["balanced"]
+    mixed = [balanced_row(4, 4096, 10.0, timing="window"), balanced_row(4, 4096, 10.0)]  # older row: none
+    header, _, *body = markdown_rows(
+        dict(pattern_tables(results_frame(mixed, GB300), "markdown"))["balanced"]
+    )
+    column = header.index("timing")
+    assert [row[column] for row in body] == ["window", "iteration"]

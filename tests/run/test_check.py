@@ -30,7 +30,7 @@ WARMUP, ITERS = 1, 5
 # Counted from the first warm-up call: the 3rd of 5 timed iterations (neither the first nor the last).
 MIDDLE = WARMUP + ITERS // 2
 SIZE = 4096  # a balanced all-to-all of 2 ranks: one 2048-byte row to each rank
-BALANCED = BalancedJob("balanced", [SIZE], warmup=WARMUP, iters=ITERS)
+BALANCED = BalancedJob("balanced", [SIZE], warmup=WARMUP, iters=ITERS, timing="iteration")
 ROW_BYTES = SIZE // 2
 PUTS_PER_ITERATION = 2  # shmem-emu, BALANCED on 2 ranks: one put (one row) to each rank
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 # One 4 KiB balanced all-to-all (one 2 KiB row per rank pair), 1 warm-up + 5 timed iterations.
 BALANCED = ["run", "--pattern", "balanced", "--min-bytes", "4K", "--max-bytes", "4K", "--warmup", "1"]
-BALANCED += ["--iters", "5"]
+BALANCED += ["--iters", "5", "--timing", "iteration"]
 MIDDLE = 3  # the 3rd of the 5 timed iterations, counted from the warm-up call
 
 RANK_SCRIPT = """

@@ -34,7 +34,7 @@ RESULT_KEYS = {
     "expert_max_mean", "maxvio", "expert_cv", "num_domains", "ranks_per_domain", "layout_source",
     "nvlink_bytes", "scaleout_bytes", "nvlink_bottleneck_rank", "nvlink_bottleneck_dir",
     "nvlink_bottleneck_bytes", "scaleout_bottleneck_rank", "scaleout_bottleneck_dir",
-    "scaleout_bottleneck_bytes", "knobs", "check",
+    "scaleout_bottleneck_bytes", "knobs", "check", "timing",
 }  # fmt: skip
 IMBALANCE_KEYS = {"balanced_size_bytes", "balanced_total_bytes", "balanced_time_us_p50"}
 BYTE_KEYS = (
@@ -234,7 +234,9 @@ def check_common(rows, imbalance_cost=False):
     for row in rows:
         extra = IMBALANCE_KEYS if imbalance_cost and row["phase"] != "alltoall" else set()
         assert set(row) == RESULT_KEYS | extra
-        assert row["wrong"] == 0 and row["check"] == "checksum", row
+        # The balanced sweep is timed as nccl-tests (a window, its last output verified), MoE per iteration.
+        timing, check = ("window", "window-last") if row["phase"] == "alltoall" else ("iteration", "checksum")
+        assert row["wrong"] == 0 and (row["timing"], row["check"]) == (timing, check), row
         assert row["backend"] == row["backend_name"] == "gloo" and row["emulated"] is False
         assert 0 < row["time_us_min"] <= row["time_us_p50"] <= row["time_us_p99"]
         assert row["link_bytes"] == row["total_bytes"] - row["self_bytes"]
@@ -281,6 +283,9 @@ def test_gloo_world2_moe_and_balanced_verified_and_match_patterns_and_corruption
     assert [r["row_bytes"] for r in balanced] == [32, 1500, 1 << 15]
     assert all(r["self_bytes"] == r["size_bytes"] for r in balanced)  # 2 ranks x half each
     assert balanced[1]["max_send_link_bytes"] == 1500
+    # Window timing: one sample per rank (window / iters), so min = p50 = p99 = mean.
+    for row in balanced:
+        assert row["time_us_min"] == row["time_us_p50"] == row["time_us_p99"] == row["time_us_mean"]
     # One flipped byte / changed element on rank 0 is counted, the rows are written, then the job fails.
     message, written = detected["combine"]
     assert "combine #wrong=1 elements" in message and "dispatch" not in message

@@ -6,6 +6,7 @@ import os
 import pickle
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -239,3 +240,111 @@ def test_torchrun_style_survivors_name_the_rank_stopped_with_sigstop(tmp_path, v
             )
         else:
             assert _waited_for(last) == {victim}, last
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A rank no launcher watches (torchrun, Slurm) watches itself; a peer whose process is gone is named so; a
+# rank torch aborted (SIGABRT) is not taken for the cause
+
+
+def test_a_rank_without_a_launcher_reports_its_own_hang():
+    monitor = RankMonitor.install(3)
+    try:
+        hung = []
+        progress = [0.0] * 4
+        monitor.watch_progress(0.6, 0.25, progress, on_hang=hung.append)
+        monitor.interval_s = 0.05  # the thread looks every 50 ms
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:  # heartbeats (Comm.heartbeat) keep it quiet
+            progress[3] = time.monotonic()
+            time.sleep(0.05)
+        with deferred_stop():  # rank 0 writing its files is not a hang
+            time.sleep(1.0)
+            assert hung == []
+        monitor.enter("job 'x' dispatch")
+        deadline = time.monotonic() + 10
+        while not hung and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(hung) == 1 and isinstance(hung[0], CommError)
+        assert re.fullmatch(
+            r"rank 3: 'job 'x' dispatch' made no progress for \d+ s \(hang; timeout 0.25 s\)", str(hung[0])
+        ), str(hung[0])
+    finally:
+        monitor.close()
+
+
+def test_a_peer_whose_process_is_gone_is_named_as_gone():
+    import multiprocessing
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    board = SharedBoard(2, multiprocessing.get_context("spawn"))
+    now = time.time()
+    board.publish(Beat(1, socket.gethostname(), child.pid, "cuda:1", now, "job 'x' dispatch", now))
+    monitor = RankMonitor.install(0)
+    try:
+        monitor.attach(board, 2, "cuda:0", 1.0)
+        text = monitor.peers_text(timed_out=True)
+    finally:
+        monitor.close()
+    assert text == (
+        f"rank 1 (host {socket.gethostname()}, pid {child.pid}, GPU 1) left (exited without a last "
+        "heartbeat: killed or aborted, last in 'job 'x' dispatch')"
+    )
+
+
+def test_a_rank_torch_aborted_is_a_consequence_of_the_stopped_rank():
+    def proc(code):
+        return SimpleNamespace(exitcode=code)
+
+    # Ranks 0 and 1 were aborted by torch's NCCL watchdog while waiting for rank 2, stopped with SIGSTOP.
+    liveness = {2: ("T", _beat(2, age_s=6.0))}
+    error = launch_error([proc(-6), proc(-6), proc(None)], {}, {2}, [], 4.0, [0], liveness)
+    assert str(error).startswith("rank 2 (host h, pid 1002, cpu) stopped responding: process stopped")
+    assert "rank(s) 0, 1 aborted by torch (SIGABRT) waiting" in str(error)
+    # Nobody else stopped responding: the abort is the cause, and the line says where SIGABRT comes from.
+    error = launch_error([proc(-6), proc(0)], {1: ("ok", None, "")}, set(), [], 4.0, [0], {})
+    assert str(error).startswith("rank 0 exited with signal SIGABRT without reporting an error")
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" in str(error)
+
+
+def hanging_entry(comm):
+    comm.barrier()
+    if comm.rank == 1:
+        with comm.guard("stuck step"):
+            time.sleep(600)  # no collective, no heartbeat: only the rank's own watchdog can end it
+    comm.barrier()
+
+
+def torchrun_hanging_rank_main():
+    try:
+        launch(None, hanging_entry, (), "gloo", 1.0)
+    except CommbenchError as exc:
+        print(f"commbench: error: {exc}", file=sys.stderr, flush=True)
+        exit_if_stranded(exc.exit_code)
+        sys.exit(exc.exit_code)
+
+
+def test_torchrun_style_rank_stuck_in_its_step_reports_itself_with_exit_4(tmp_path):
+    mark = new_mark()
+    argv = [
+        "-c",
+        "from tests.run.test_liveness import torchrun_hanging_rank_main; torchrun_hanging_rank_main()",
+    ]
+    ranks = start_torchrun_style(argv, 2, run_env(tmp_path, mark))
+    stderr = [Lines(rank.stderr) for rank in ranks]
+    start = time.monotonic()
+    try:
+        codes = [rank.wait(60) for rank in ranks]
+    finally:
+        kill_marked(mark)
+    assert codes == [4, 4], (codes, [s.text() for s in stderr])
+    assert time.monotonic() - start < 40
+    # Rank 1's own watchdog, after 2 x timeout + 5 s without progress; rank 0 timed out waiting for it.
+    last = stderr[1].messages()[-1]
+    assert re.match(
+        r"commbench: error: rank 1: 'stuck step' made no progress for \d+ s \(hang; timeout 1 s\)", last
+    )
+    assert (
+        stderr[0].messages()[-1].startswith("commbench: error: rank 0: barrier timed out after 1 s waiting")
+    )

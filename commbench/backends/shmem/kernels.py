@@ -13,54 +13,12 @@ per thread, so signals only travel with block-scoped put-with-signal calls (an e
 
 from __future__ import annotations
 
-import contextlib
-import glob
-import importlib.util
-import os
-import sysconfig
-import tempfile
-
-import torch
 import triton
 import triton.language as tl
 from triton.language import core
 
+from commbench.backends.shmem.bitcode import export_device_library
 from commbench.backends.shmem.protocol import CMP_GE
-
-
-def _device_library_dir() -> str | None:
-    """A folder with ``libnvshmem_device.bc`` for torch's finder (NVSHMEM_LIB_DIR), or None to let it search.
-
-    nvidia-nvshmem wheels from 3.8 on ship per-architecture bitcode only (libnvshmem_device_sm_90.bc, ...);
-    torch looks for the generic name, so link the one for this GPU under the generic name in a temp dir.
-    """
-    if os.environ.get("NVSHMEM_LIB_DIR"):
-        return None
-    roots = [
-        os.path.join(sysconfig.get_path("purelib"), "nvidia", "nvshmem", "lib"),
-        "/usr/local/lib",
-        "/usr/lib",
-    ]
-    # The wheel wherever it is installed (user site, a venv torch's RPATH points into).
-    with contextlib.suppress(ImportError, ValueError):
-        spec = importlib.util.find_spec("nvidia.nvshmem")
-        for folder in (spec.submodule_search_locations or []) if spec else []:
-            roots.insert(1, os.path.join(folder, "lib"))
-    for root in roots:
-        if os.path.exists(os.path.join(root, "libnvshmem_device.bc")):
-            return None
-    major, minor = torch.cuda.get_device_capability()
-    for root in roots:
-        candidates = [os.path.join(root, f"libnvshmem_device_sm_{major}{minor}.bc")]
-        candidates += sorted(glob.glob(os.path.join(root, f"libnvshmem_device_sm_{major}*.bc")))
-        for path in candidates:
-            if os.path.exists(path):
-                folder = tempfile.mkdtemp(prefix="commbench-nvshmem-bc-")
-                os.symlink(path, os.path.join(folder, "libnvshmem_device.bc"))
-                os.environ["NVSHMEM_LIB_DIR"] = folder
-                return folder
-    return None
-
 
 _CMP_GE = tl.constexpr(CMP_GE)  # jit code may only read constexpr globals
 _I64 = core.dtype("int64")
@@ -197,7 +155,8 @@ def launchers() -> tuple:
     initializes NVSHMEM in each compiled module); built on first use, on a GPU machine."""
     global _LAUNCHERS
     if _LAUNCHERS is None:
-        _device_library_dir()
+        # torch's finder takes NVSHMEM_LIB_DIR first: point it at the bitcode found (see bitcode.py).
+        export_device_library()
         from torch.distributed._symmetric_memory._nvshmem_triton import requires_nvshmem
 
         _LAUNCHERS = (requires_nvshmem(commbench_put_items), requires_nvshmem(commbench_wait_signals))

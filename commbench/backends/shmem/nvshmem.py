@@ -21,7 +21,9 @@ matrix. Options (``--backend-option KEY=VALUE``, all in every result row through
 ``num_blocks`` (programs = SMs used; default: all SMs), ``num_warps`` (threads per program / 32),
 ``chunk_bytes`` or ``chunk_rows``, ``signal`` (chunk | segment), ``signal_op`` (add | set),
 ``wait`` (spin | nvshmem), ``put`` (nbi | blocking), ``variant`` (put | vdev2d: torch's
-``torch.ops.symm_mem.all_to_all_vdev_2d`` expert-major exchange as a reference).
+``torch.ops.symm_mem.all_to_all_vdev_2d`` expert-major exchange as a reference, in ``shmem.vdev2d``).
+
+Needs torch >= 2.9 (``shmem.symmetric`` says why and sets up the groups, the heap and its errors).
 
 All GPU imports are lazy: on a machine without CUDA devices the constructor (and ``check_available``)
 raises UsageError, which the CLI turns into a one-line message and exit code 2.
@@ -29,8 +31,6 @@ raises UsageError, which the CLI turns into a one-line message and exit code 2.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Any, ClassVar
 
 import numpy as np
@@ -40,6 +40,8 @@ import torch.distributed as dist
 from commbench.backends.base import CombineReduction
 from commbench.backends.options import MAX_BLOCKS, WARPS, BackendOption, DeclaredOptions, put_signal_options
 from commbench.backends.shmem import protocol as proto
+from commbench.backends.shmem import symmetric as symm
+from commbench.backends.shmem.vdev2d import Vdev2dExchange
 from commbench.errors import CommbenchError, CommError, UsageError
 from commbench.run.interface import Backend
 from commbench.traffic.payload import poison_
@@ -52,18 +54,6 @@ KERNEL_HINT = (
     "it needs Triton >= 3.4 and NVSHMEM device bitcode (libnvshmem_device.bc, NVSHMEM_LIB_DIR) of the "
     "NVSHMEM version torch pins; see docs/nvshmem.md"
 )
-# torch's all_to_all_vdev_2d kernels keep per-expert and per-rank prefix sums in fixed tiles (512 threads,
-# 32-wide warp scans): dispatch takes <= 16 experts per rank and <= 32 ranks, the combine (_offset) op
-# <= 32 experts per rank and <= 16 ranks (TORCH_CHECKs in nvshmem_extension.cu).
-VDEV2D_MAX_EXPERTS_PER_RANK = 16
-VDEV2D_MAX_RANKS = 16
-
-
-def _error_summary(exc: BaseException) -> str:
-    """First and last non-empty lines of an error (Triton puts the cause last, after the source excerpt)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
-    text = lines[0] if len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
-    return f"{type(exc).__name__}: {text}"[:300]
 
 
 class NvshmemBackend(DeclaredOptions, Backend):
@@ -72,15 +62,17 @@ class NvshmemBackend(DeclaredOptions, Backend):
 
     @classmethod
     def check_available(cls) -> None:
-        """UsageError (one line, exit 2) unless this host has CUDA devices and torch with NVSHMEM."""
+        """UsageError (one line, exit 2) unless this host has CUDA devices and torch >= 2.9 with NVSHMEM."""
         if torch.cuda.device_count() < 1:
             raise UsageError(
                 f"--backend nvshmem {NEEDS}; this host has no CUDA device (use --backend shmem-emu on CPU)"
             )
+        symm.check_torch_version(str(torch.__version__))
         try:
             import torch.distributed._symmetric_memory as symm_mem
         except ImportError as exc:
             raise UsageError(f"--backend nvshmem {NEEDS}; torch symmetric memory is missing: {exc}") from None
+        symm.check_torch_version(str(torch.__version__), symm_mem)
         if not symm_mem.is_nvshmem_available():
             raise UsageError(f"--backend nvshmem {NEEDS}; this torch build reports no NVSHMEM")
 
@@ -130,6 +122,8 @@ class NvshmemBackend(DeclaredOptions, Backend):
             )
         self._group = group
         self._group_name = group.group_name
+        # NVSHMEM bootstraps over the default group (torch 2.9/2.10 look its info up as group "0").
+        self._world_group_name = dist.group.WORLD.group_name
         torch.cuda.set_device(comm.device)
         if self.num_blocks == 0:
             self.num_blocks = torch.cuda.get_device_properties(comm.device).multi_processor_count
@@ -165,7 +159,7 @@ class NvshmemBackend(DeclaredOptions, Backend):
         self._errors: dict[str, torch.Tensor] = {}
         self._row_bytes = 0
         self._reduce = CombineReduction()
-        self._vdev: dict[str, Any] = {}
+        self._vdev: Vdev2dExchange | None = None
         # Kernels that compiled and launched once: later errors pass through unchanged.
         self._launched: set[str] = set()
 
@@ -186,7 +180,7 @@ class NvshmemBackend(DeclaredOptions, Backend):
         )
         self._row_bytes = plan.dispatch_row_bytes
         # A previous setup's views and vdev buffers must not keep old symmetric memory alive (heap budget).
-        self._views, self._addr, self._vdev = {}, {}, {}
+        self._views, self._addr, self._vdev = {}, {}, None
         self._capacity = proto.buffer_capacity(matrix)
         self._layout = proto.heap_layout(
             self._capacity,
@@ -222,17 +216,24 @@ class NvshmemBackend(DeclaredOptions, Backend):
         self._device_tables = {}
         self._use_matrix(matrix)
         if self.variant == "vdev2d":
-            self._setup_vdev(symm_mem, plan)
+            assert self._capacity is not None
+
+            def symmetric(*shape: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+                return symm.symmetric_tensor(symm_mem, shape, dtype, self.comm.device, self._group_name)
+
+            self._vdev = Vdev2dExchange(
+                symmetric, plan, self._capacity, self.comm.world_size, self.comm.device, self._group_name
+            )
         else:
             self._put, self._wait = self._load_kernels()
 
     def _load_kernels(self) -> tuple[Any, Any]:
-        from commbench.backends import nvshmem_kernels
-
         try:
-            return nvshmem_kernels.launchers()
-        except RuntimeError as exc:
-            raise UsageError(f"--backend nvshmem {NEEDS}; {exc}") from None
+            from commbench.backends.shmem import kernels
+
+            return kernels.launchers()
+        except (ImportError, RuntimeError, OSError) as exc:  # no Triton; no bitcode (torch's finder)
+            raise UsageError(f"--backend nvshmem: {symm.error_summary(exc)}; {KERNEL_HINT}") from None
 
     def _device_synchronize(self) -> None:
         if self.comm.device.type == "cuda":
@@ -241,31 +242,10 @@ class NvshmemBackend(DeclaredOptions, Backend):
     def _allocate(self, symm_mem: Any, nbytes: int) -> None:
         if self._heap is not None and self._heap_bytes >= nbytes:
             return
-        # NVSHMEM reads these when it initializes (first symmetric allocation); a user's values win.
-        os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, 2 * nbytes + (256 << 20))))
-        os.environ.setdefault(
-            "TORCH_SYMMMEM_IMPLICIT_POOL", "0"
-        )  # plain nvshmem_malloc: same offsets on all PEs
-        with contextlib.suppress(RuntimeError):  # already set by an earlier setup in this process
-            symm_mem.set_backend("NVSHMEM")
         self._heap = None
-        try:
-            heap = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.comm.device)
-            symm_mem.rendezvous(heap, self._group_name)
-        except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-            raise UsageError(
-                f"nvshmem: could not allocate a {nbytes / 2**20:.1f} MiB symmetric heap "
-                f"({_error_summary(exc)}); set NVSHMEM_SYMMETRIC_SIZE above {2 * nbytes} bytes or use "
-                "fewer tokens"
-            ) from None
-        # The kernels address the heap through NVSHMEM: memory of another symmetric backend would fault.
-        backend = getattr(symm_mem, "get_backend", lambda device: "NVSHMEM")(self.comm.device)
-        if backend not in (None, "NVSHMEM"):
-            raise UsageError(
-                f"nvshmem: torch symmetric memory uses the {backend} backend in this process, not NVSHMEM "
-                "(set_backend must come before any other symmetric allocation); run commbench on its own"
-            )
-        self._heap = heap
+        self._heap = symm.allocate_heap(
+            symm_mem, nbytes, self.comm.device, self._group_name, self._world_group_name
+        )
         self._heap_bytes = nbytes
 
     def _gather_counts(self, send_counts: torch.Tensor) -> np.ndarray:
@@ -299,7 +279,8 @@ class NvshmemBackend(DeclaredOptions, Backend):
             self._device_tables[phase] = (items, torch.from_numpy(waits).to(device), tracker.epoch)
         self._matrix = np.asarray(matrix)
         self._matrix_key = key
-        self._vdev.pop("perm", None)
+        if self._vdev is not None:
+            self._vdev.forget_order()
 
     # ------------------------------------------------------------------------------------------------
     # The backend contract.
@@ -312,8 +293,8 @@ class NvshmemBackend(DeclaredOptions, Backend):
 
     def dispatch(self, tokens: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
         layout = self._phases["dispatch"]
-        if self.variant == "vdev2d":
-            return self._dispatch_vdev(tokens, plan, layout)
+        if self._vdev is not None:
+            return self._vdev.dispatch(tokens, plan, layout, self._matrix[:, self.comm.rank, :])
         staging = self._views["dispatch_send"][: layout.send_rows]
         if plan.send_mode == "balanced":
             staging.copy_(tokens)
@@ -330,8 +311,8 @@ class NvshmemBackend(DeclaredOptions, Backend):
                 f"combine got {rows} rows of {hidden * expert_out.element_size()} B, expected "
                 f"{layout.send_rows} of {plan.combine_row_bytes}"
             )
-        if self.variant == "vdev2d":
-            returned = self._combine_vdev(expert_out, plan, recv_counts, layout)
+        if self._vdev is not None:
+            returned = self._vdev.combine(expert_out, plan, recv_counts, layout)
         else:
             self._views["combine_send"][:rows].copy_(expert_out.contiguous().view(torch.uint8))
             side = self._run_phase("combine", layout, plan.combine_row_bytes)
@@ -341,7 +322,7 @@ class NvshmemBackend(DeclaredOptions, Backend):
     def poison_receive_buffers(self) -> None:
         # Both sides of each receive region, and the vdev2d variant's outputs (memsets; the harness syncs).
         views = [self._views.get(f"{phase}_recv") for phase in proto.PHASES]
-        for buffer in [*views, *(self._vdev.get(key) for key in ("out", "result", "c_out"))]:
+        for buffer in [*views, *(self._vdev.receive_buffers() if self._vdev is not None else [])]:
             if buffer is not None:
                 poison_(buffer)
 
@@ -424,96 +405,5 @@ class NvshmemBackend(DeclaredOptions, Backend):
             raise exc
         raise UsageError(
             f"--backend nvshmem: the Triton {kernel} kernel failed to build or launch "
-            f"({_error_summary(exc)}); {KERNEL_HINT}"
+            f"({symm.error_summary(exc)}); {KERNEL_HINT}"
         ) from exc
-
-    # ------------------------------------------------------------------------------------------------
-    # Reference variant: torch's all_to_all_vdev_2d (expert-major dispatch) / _offset (combine).
-
-    def _setup_vdev(self, symm_mem: Any, plan: RankPlan) -> None:
-        if not hasattr(torch.ops.symm_mem, "all_to_all_vdev_2d"):
-            raise UsageError(
-                "variant=vdev2d needs torch.ops.symm_mem.all_to_all_vdev_2d (torch >= 2.9); use variant=put"
-            )
-        assert self._capacity is not None
-        world, slots = self.comm.world_size, int(plan.send_counts.shape[1])
-        if slots > VDEV2D_MAX_EXPERTS_PER_RANK or world > VDEV2D_MAX_RANKS:
-            raise UsageError(
-                "variant=vdev2d: torch's all_to_all_vdev_2d kernels take at most "
-                f"{VDEV2D_MAX_EXPERTS_PER_RANK} experts per rank and {VDEV2D_MAX_RANKS} ranks, this run has "
-                f"{slots} and {world}; use more ranks, --send-mode token (one slot per rank) or variant=put"
-            )
-        splits = world * slots
-        device = self.comm.device
-        cap = self._capacity
-        disp, comb = plan.dispatch_row_bytes, max(1, plan.combine_row_bytes)
-
-        def symmetric(*shape: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-            tensor = symm_mem.empty(*(max(1, n) for n in shape), dtype=dtype, device=device)
-            symm_mem.rendezvous(tensor, self._group_name)
-            return tensor
-
-        # Byte tensors: splits and offsets in bytes mean the same whether torch counts dim-0 rows or elements.
-        self._vdev = {
-            "slots": slots,
-            "in": symmetric(cap.send_rows * disp),
-            "out": symmetric((cap.recv_rows + slots) * disp),  # + one row of padding per expert
-            "in_splits": symmetric(splits, dtype=torch.int64),
-            "out_splits_offsets": symmetric(2, splits, dtype=torch.int64),
-            "c_in": symmetric(cap.recv_rows * comb),
-            "c_out": symmetric(cap.send_rows * comb),
-            "c_in_splits_offsets": symmetric(2, splits, dtype=torch.int64),
-            "c_out_splits_offsets": symmetric(2, splits, dtype=torch.int64),
-            "result": torch.empty((cap.recv_rows, disp), dtype=torch.uint8, device=device),
-        }
-
-    def _vdev_order(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per received row (source order): its (expert, source) block id and index in the block (cached)."""
-        if "perm" not in self._vdev:
-            block, within = proto.expert_major_blocks(self._matrix[:, self.comm.rank, :])
-            device = self.comm.device
-            self._vdev["perm"] = (torch.from_numpy(block).to(device), torch.from_numpy(within).to(device))
-        return self._vdev["perm"]
-
-    def _dispatch_vdev(self, tokens: torch.Tensor, plan: RankPlan, layout: proto.PhaseLayout) -> torch.Tensor:
-        v = self._vdev
-        rows_out = v["in"][: layout.send_rows * plan.dispatch_row_bytes].view(layout.send_rows, -1)
-        if plan.send_mode == "balanced":
-            rows_out.copy_(tokens)
-        else:
-            torch.index_select(tokens, 0, plan.send_token_index, out=rows_out)
-        v["in_splits"].copy_(plan.send_counts.reshape(-1) * plan.dispatch_row_bytes)
-        torch.ops.symm_mem.all_to_all_vdev_2d(
-            v["in"],
-            v["out"],
-            v["in_splits"],
-            v["out_splits_offsets"],
-            self._group_name,
-            major_align=plan.dispatch_row_bytes,
-        )
-        block, within = self._vdev_order()
-        start_rows = v["out_splits_offsets"][1] // plan.dispatch_row_bytes
-        position = start_rows[block] + within
-        expert_major = v["out"].view(-1, plan.dispatch_row_bytes)
-        return torch.index_select(expert_major, 0, position, out=v["result"][: layout.recv_rows])
-
-    def _combine_vdev(
-        self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor, layout: proto.PhaseLayout
-    ) -> torch.Tensor:
-        v = self._vdev
-        row_bytes = plan.combine_row_bytes
-        rows = int(expert_out.shape[0])
-        v["c_in"][: rows * row_bytes].view(rows, row_bytes).copy_(expert_out.contiguous().view(torch.uint8))
-        counts = recv_counts.to(torch.int64)  # [src, expert], source-major blocks in expert_out
-        starts = torch.cumsum(counts.reshape(-1), 0) - counts.reshape(-1)
-        # Input blocks listed expert-major (e, src), pointing into the source-order rows.
-        v["c_in_splits_offsets"][0].copy_(counts.t().reshape(-1) * row_bytes)
-        v["c_in_splits_offsets"][1].copy_(starts.view(counts.shape).t().reshape(-1) * row_bytes)
-        torch.ops.symm_mem.all_to_all_vdev_2d_offset(
-            v["c_in"], v["c_out"], v["c_in_splits_offsets"], v["c_out_splits_offsets"], self._group_name
-        )
-        return (
-            v["c_out"][: layout.recv_rows * row_bytes]
-            .view(layout.recv_rows, row_bytes)
-            .view(expert_out.dtype)
-        )

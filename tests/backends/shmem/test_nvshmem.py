@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from types import SimpleNamespace
 
@@ -56,6 +57,28 @@ def test_cli_backend_nvshmem_on_cpu_is_one_line_exit_2() -> None:
     assert len(lines) == 1 and "nvshmem" in lines[0] and "error" in lines[0]
 
 
+@pytest.mark.parametrize("version", ["2.8.0+cu128", "2.7.1+cu126", "2.4.0"])
+def test_torch_before_2_9_is_refused_in_one_line_naming_both_versions(monkeypatch, version: str) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch, "__version__", version)
+    with pytest.raises(UsageError) as info:
+        NvshmemBackend.check_available()
+    message = str(info.value)
+    assert "\n" not in message and f"found torch {version}" in message and "needs torch >= 2.9" in message
+
+
+def test_cli_refuses_old_torch_before_launch_exit_2(monkeypatch) -> None:
+    # A GPU host as the pre-launch checks see it (device count, memory per device), torch 2.8.
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpu = SimpleNamespace(total_memory=141 << 30, name="GPU", multi_processor_count=132, major=9, minor=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=0: gpu)
+    monkeypatch.setattr(torch, "__version__", "2.8.0+cu128")
+    result = CliRunner().invoke(cli, ["run", "--backend", "nvshmem", "--world-size", "1", "--tokens", "8"])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "needs torch >= 2.9" in lines[0] and "2.8.0+cu128" in lines[0]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # GPU: one PE putting to itself (the lent H200 runs these; benchmarks/gpu_check.sh covers more).
 
@@ -74,6 +97,15 @@ def _one_pe_entry(comm, options: dict, send_mode: str) -> list[dict]:
     job = MoeJob(name="small", routing=cfg, send_mode=send_mode, warmup=2, iters=3)
     rows, _ = run_jobs(comm, [job], RunOptions("nvshmem", options, timeout_s=30.0), NvshmemBackend)
     return rows
+
+
+@gpu_only
+def test_gpu_machine_passes_the_torch_gate_and_finds_the_device_bitcode() -> None:
+    from commbench.backends.shmem import bitcode
+
+    NvshmemBackend.check_available()  # torch >= 2.9 with NVSHMEM
+    found = os.environ.get("NVSHMEM_LIB_DIR") or bitcode.find_device_bitcode(bitcode.candidate_dirs())
+    assert found, f"no NVSHMEM device bitcode in {bitcode.candidate_dirs()}"
 
 
 @gpu_only
@@ -154,7 +186,11 @@ def host_side_backend(monkeypatch, options: dict, drop: bool = False) -> Nvshmem
         return FakePut(self._heap, drop), FakeWait(self._heap, flags)
 
     monkeypatch.setattr(NvshmemBackend, "check_available", classmethod(lambda cls: None))
-    monkeypatch.setattr(NvshmemBackend, "_bind_device", lambda self: None)
+
+    def bind_device(self):  # the default group's name, as on a one-rank job
+        self._group_name = self._world_group_name = "0"
+
+    monkeypatch.setattr(NvshmemBackend, "_bind_device", bind_device)
     monkeypatch.setattr(NvshmemBackend, "_allocate", allocate)
     monkeypatch.setattr(NvshmemBackend, "_load_kernels", load_kernels)
     monkeypatch.setattr(NvshmemBackend, "_gather_counts", lambda self, counts: counts.numpy()[None].copy())
@@ -285,42 +321,3 @@ def test_first_kernel_failure_is_one_line_later_ones_pass_through(monkeypatch) -
     backend._put = Broken()
     with pytest.raises(RuntimeError, match="LLVM ERROR"):
         backend.dispatch(tokens, plan, counts)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# benchmarks/gpu_check.py: the parts that run without a GPU (CLI steps, the files that come back).
-
-
-def _gpu_check_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_gpu_check_cli_step_and_outputs_stay_within_what_comes_back(tmp_path) -> None:
-    gpu_check = _gpu_check_module()
-    out, work = tmp_path / "out", tmp_path / "work"
-    out.mkdir()
-    args = ["--model", "qwen3-30b-a3b", "--tokens", "16", "--warmup", "1", "--iters", "1"]
-    args += ["--backend", "gloo"]
-    result = gpu_check.cli_run(out, work, "gloo", args, timeout_s=120)
-    assert result["status"] == "ok", result
-    assert result["dispatch_wrong"] == 0 and result["combine_wrong"] == 0
-    assert result["dispatch_us"] > 0
-    assert (work / "gloo" / "results.json").is_file()
-    assert "===== gloo" in (out / "cli_runs.log").read_text()
-    slow = gpu_check.cli_run(out, work, "slow", args, timeout_s=0.2)
-    assert slow["status"] == "FAIL" and "timed out" in slow["error"]
-
-    check = gpu_check.Check(out)
-    check.steps.append({"step": "nccl world 1", **result})
-    table, ok = gpu_check.write_outputs(check, out)
-    assert not ok  # no loopback figures
-    files = sorted(p.name for p in out.rglob("*") if p.is_file())
-    # With gpu_check.sh's gpu_check.log: at most 8 files, all at the top of $OUT.
-    assert files == ["cli_runs.log", "gpu_check.csv", "gpu_check.json", "measurements.md"]

@@ -1,0 +1,80 @@
+"""What the rows' timing and check modes mean, in words, for every table and page that shows them.
+
+Every result row carries ``check`` (how its timed iterations were verified) and, from the harness that times
+both ways, ``timing`` ("window": nccl-tests' back-to-back iterations in one timed window; "iteration": a
+barrier before each timed iteration). Rows without a ``timing`` value (older report folders) were timed per
+iteration, the only way commbench timed them then.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from commbench.plain import is_missing
+
+# Rows written before the timing column existed were timed per iteration.
+DEFAULT_TIMING = "iteration"
+
+# How each value of the rows' ``timing`` column times, and the time a row then holds (see CONVENTIONS).
+TIMING_HOW = {
+    "window": "as nccl-tests: the timed iterations back to back in one window, no barrier between them",
+    "iteration": "a barrier before each timed iteration",
+}
+TIMING_TIME = {
+    "window": "the max across ranks of window / iterations",
+    "iteration": "each iteration's max across ranks: min, p50, p99 and mean over the timed iterations",
+}
+TIMING_TEXT = {mode: f"{mode} ({TIMING_HOW[mode]}; time = {TIMING_TIME[mode]})" for mode in TIMING_HOW}
+
+# What each value of the rows' ``check`` column means (RunOptions.check_mode; "n/a": nothing moved).
+CHECK_TEXT = {
+    "checksum": "checksum (receive buffers poisoned before every timed iteration; every iteration "
+    "checksummed, the last verified byte for byte)",
+    "every": "every (receive buffers poisoned before every timed iteration; every iteration verified "
+    "byte for byte: slower)",
+    "window-last": "window-last (receive buffers poisoned once before the timed window; the back-to-back "
+    "iterations overwrite the same buffers, as in nccl-tests; the window's final output verified byte "
+    "for byte)",
+    "n/a": "n/a (no data moved: #wrong n/a)",
+    "off": "off (benchmark baseline: nothing verified, #wrong n/a)",
+}
+
+
+def timing_modes(frame: pd.DataFrame) -> list[str]:
+    """The timing modes of the rows, in order of appearance; a row without one counts as "iteration"."""
+    if frame.empty:
+        return []
+    if "timing" not in frame.columns:
+        return [DEFAULT_TIMING]
+    return list(dict.fromkeys(DEFAULT_TIMING if is_missing(mode) else str(mode) for mode in frame["timing"]))
+
+
+def timing_text(frame: pd.DataFrame) -> str | None:
+    """How the rows were timed, in words ("; " between modes); None without rows."""
+    return "; ".join(TIMING_TEXT.get(mode, mode) for mode in timing_modes(frame)) or None
+
+
+def with_timing(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with a ``timing`` column in every row ("iteration" where a row has none), so that a table
+    can show which rows were timed how."""
+    if frame.empty:
+        return frame
+    values = frame["timing"] if "timing" in frame.columns else pd.Series(None, index=frame.index)
+    return frame.assign(timing=[DEFAULT_TIMING if is_missing(v) else str(v) for v in values])
+
+
+def mixes_timing(frame: pd.DataFrame) -> bool:
+    """Whether the rows were timed in more than one way (then the tables show a ``timing`` column)."""
+    return len(timing_modes(frame)) > 1
+
+
+def check_modes(frame: pd.DataFrame) -> list[str]:
+    """The check modes of the rows, in order of appearance (rows without one are left out)."""
+    if "check" not in frame.columns:
+        return []
+    return [str(mode) for mode in dict.fromkeys(frame["check"]) if not is_missing(mode)]
+
+
+def check_text(frame: pd.DataFrame) -> str | None:
+    """How the rows' timed iterations were verified (their ``check`` column), in words; None without it."""
+    return "; ".join(CHECK_TEXT.get(mode, mode) for mode in check_modes(frame)) or None
