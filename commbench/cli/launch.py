@@ -21,10 +21,12 @@ import click
 
 import commbench
 from commbench.cli.options import DEFAULT_ITERS, DEFAULT_WARMUP, QUICK_ITERS, QUICK_WARMUP
+from commbench.cli.progress import Progress
 from commbench.errors import StoppedError
 
 if TYPE_CHECKING:
     from commbench.backends.options import OptionSweep
+    from commbench.cli.acceptance import Acceptance
     from commbench.inputs.specs import SystemSpec
     from commbench.report import OutDirClaim
     from commbench.run.jobs import Job, RunOptions
@@ -45,12 +47,16 @@ class LaunchSettings:
     iters: int
     timeout_s: float
     out: str | None
-    spec_text: str
+    spec_text: str | None  # --spec; None: chosen from the detected GPUs (cli.acceptance)
     ranks_per_domain: int | None
     ranks_per_host: int | None
     imbalance_cost: bool
     check_mode: str  # --check: how the timed iterations are verified (RunOptions.check_mode)
     timing: str | None  # --timing: every job's (jobs.TIMINGS), or None for each kind's default
+    inject_delay: tuple[tuple[int, float], ...] = ()  # --inject-delay (test hook): (rank, seconds)
+    limits_file: str | None = None  # --limits FILE: acceptance limits over the spec's shipped ones
+    limit_overrides: tuple[str, ...] = ()  # --limit KEY=VALUE
+    baseline_file: str | None = None  # --baseline FILE: each case also judged against it
 
     @classmethod
     def from_params(cls, params: dict[str, Any], quick: bool = False) -> LaunchSettings:
@@ -58,14 +64,14 @@ class LaunchSettings:
         size outside torchrun, or one that differs from torchrun's, and for --check every with --timing
         window."""
         from commbench.errors import UsageError
-        from commbench.inputs.specs import DEFAULT_SPEC_NAME
         from commbench.run.dist import resolve_world_size
 
-        values = {field.name: params.pop(field.name) for field in fields(cls)}
+        values = {field.name: params.pop(field.name) for field in fields(cls) if field.name in params}
+        values["inject_delay"] = tuple(values.get("inject_delay") or ())
+        values["limit_overrides"] = tuple(values.get("limit_overrides") or ())
         if values["check_mode"] == "every" and values["timing"] == "window":
             raise UsageError("--check every needs --timing iteration")
         values["world_size"] = resolve_world_size(values["world_size"])
-        values["spec_text"] = values["spec_text"] or DEFAULT_SPEC_NAME
         if values["warmup"] is None:
             values["warmup"] = QUICK_WARMUP if quick else DEFAULT_WARMUP
         if values["iters"] is None:
@@ -125,6 +131,7 @@ class LaunchPlan:
     total_steps: int
     swept_keys: tuple[str, ...] = ()  # knobs a --backend-option sweep varies (named in progress lines)
     out_claim: str | None = None  # the token of the launcher's claim on out_dir (report.claim_out_dir)
+    acceptance: Acceptance | None = None  # what the verdict judges by (None: no verdict, unit tests)
 
 
 def launch(
@@ -141,12 +148,18 @@ def launch(
     ``option_pairs`` the ``--backend-option`` pairs of a command that takes them (None: it does not).
     UsageError (one line, nothing launched or written) on bad input.
     """
+    from commbench.cli.acceptance import Acceptance, choose_report_spec
     from commbench.run import dist
     from commbench.run.jobs import RunOptions
 
     world = settings.world_size
-    system = _prepare_spec(settings)
+    _check_layout(settings)
     backend, reason, sweep = _choose_backend(settings, option_pairs or ())
+    system, spec_how, judged_spec = choose_report_spec(settings.spec_text, backend)
+    acceptance = Acceptance(
+        judged_spec, spec_how, settings.limits_file, settings.limit_overrides, settings.baseline_file
+    )
+    acceptance.check()  # limits and baseline files: one line, exit 2, before anything starts
     fixed = sweep.fixed
     knob_settings = sweep.settings()
     if knob_settings != [{}]:  # setting outermost: each setting's backend is built once
@@ -156,7 +169,7 @@ def launch(
     if dist.is_rank0_process():
         swept = f"; {len(knob_settings)} knob settings ({sweep.describe()})" if sweep.swept else ""
         click.echo(
-            f"commbench {command}: backend {reason}; {world} ranks; spec {system.name}{swept}; "
+            f"commbench {command}: backend {reason}; {world} ranks; spec {system.name} ({spec_how}){swept}; "
             f"{total} cases; report folder {out_dir}",
             err=True,
         )
@@ -167,13 +180,15 @@ def launch(
         warmup=settings.warmup,
         iters=settings.iters,
         timeout_s=settings.timeout_s,
-        spec=settings.spec_text,
+        spec=settings.spec_text,  # None: chosen from the hardware (meta.json's acceptance says how)
         ranks_per_domain=settings.ranks_per_domain,
         ranks_per_host=settings.ranks_per_host,
         imbalance_cost=settings.imbalance_cost,
         check=settings.check_mode,
         timing=settings.timing,  # None: each kind's default (the rows' timing column says which ran)
     )
+    if settings.inject_delay:  # a planted fault: the report must say so
+        shared["inject_delay_us"] = {str(rank): seconds * 1e6 for rank, seconds in settings.inject_delay}
     options = RunOptions(
         backend=backend,
         backend_options=fixed,
@@ -183,21 +198,71 @@ def launch(
         ranks_per_host=settings.ranks_per_host,
         imbalance_cost=settings.imbalance_cost,
         check_mode=settings.check_mode,
+        inject_delay=settings.inject_delay,
     )
+    options.check(world)  # a rank out of range in --inject-delay, before anything starts
+    if settings.limits_file or settings.limit_overrides or settings.baseline_file:
+        shared.update(
+            limits=settings.limits_file, limit=list(settings.limit_overrides), baseline=settings.baseline_file
+        )
     meta = _run_meta(command, {**args, **shared}, reason)
+    meta["acceptance"] = acceptance.to_meta()
     token = out_claim.token if out_claim is not None else None
-    plan = LaunchPlan(jobs, options, system, out_dir, meta, total, tuple(sweep.swept), out_claim=token)
+    plan = LaunchPlan(
+        jobs,
+        options,
+        system,
+        out_dir,
+        meta,
+        total,
+        tuple(sweep.swept),
+        out_claim=token,
+        acceptance=acceptance,
+    )
     try:
         dist.launch(world, launch_worker, (plan,), backend, settings.timeout_s)
     except BaseException as exc:
         # A launch that failed before rank 0 wrote anything leaves no empty report folder behind; one that
         # wrote rows leaves them, marked INCOMPLETE (here if rank 0 was killed before it could say so).
-        kept = _finish_partial_report(out_dir, out_claim, exc) if dist.is_rank0_process() else None
-        if isinstance(exc, StoppedError) and kept:
-            raise StoppedError(exc.signum, f"{exc}; {kept}") from exc
+        kept = (
+            _finish_partial_report(out_dir, out_claim, exc, acceptance) if dist.is_rank0_process() else None
+        )
+        error = StoppedError(exc.signum, f"{exc}; {kept}") if isinstance(exc, StoppedError) and kept else exc
+        if dist.is_rank0_process():
+            _verdict_last(out_dir, error)
+        if error is not exc:
+            raise error from exc
         raise
     if dist.is_rank0_process():
-        click.echo(f"commbench: report written to {out_dir}")
+        _verdict_last(out_dir, None)
+
+
+def _verdict_last(out_dir: str, error: BaseException | None) -> None:
+    """The console's last line: the verdict with the report path (after the error line of a failed run),
+    and the verdict's exit code (click.exceptions.Exit: the error line is already out)."""
+    from commbench.cli.main import exit_code_and_message
+    from commbench.errors import CommbenchError
+    from commbench.report import saved_verdict
+    from commbench.report.verdict import console_line
+
+    try:
+        verdict = saved_verdict(out_dir) if Path(out_dir).is_dir() else None
+    except CommbenchError:
+        verdict = None
+    if error is None:
+        if verdict is None:
+            click.echo(f"commbench: report written to {out_dir}")
+            return
+        click.echo(console_line(verdict, out_dir))
+        if verdict.exit_code:
+            raise click.exceptions.Exit(verdict.exit_code)
+        return
+    if verdict is None:
+        return  # nothing was judged (nothing ran): the error line alone
+    code, message = exit_code_and_message(error)
+    click.echo(message, err=True)
+    click.echo(console_line(verdict, out_dir))
+    raise click.exceptions.Exit(code)
 
 
 def incomplete_reason(exc: BaseException) -> str | None:
@@ -214,7 +279,9 @@ def incomplete_reason(exc: BaseException) -> str | None:
     return text
 
 
-def _finish_partial_report(out_dir: str, out_claim: OutDirClaim | None, exc: BaseException) -> str | None:
+def _finish_partial_report(
+    out_dir: str, out_claim: OutDirClaim | None, exc: BaseException, acceptance: Acceptance | None = None
+) -> str | None:
     """After a failed or stopped launch, in the launcher (or rank 0 under torchrun): release a report folder
     nothing was written to, else make sure it says INCOMPLETE. Returns where the finished rows are, or
     None."""
@@ -233,7 +300,7 @@ def _finish_partial_report(out_dir: str, out_claim: OutDirClaim | None, exc: Bas
         # Rank 0 did not get to it, or knew less (it was stopped because another rank failed).
         saved = str(meta.get("incomplete_reason", ""))[:200]  # the report clips a long reason
         if meta.get("status") != "incomplete" or saved != " ".join(reason.split())[:200]:
-            mark_incomplete(out_dir, reason)
+            mark_incomplete(out_dir, reason, _judge(acceptance, exc))
     except ReportWriteError:  # the full disk that ended the run: its one error line says so already
         return None
     except Exception as error:  # noqa: BLE001 - never mask the error that ended the run
@@ -263,19 +330,29 @@ def _choose_backend(settings: LaunchSettings, option_pairs: Sequence[str]) -> tu
     return backend, reason, replace(sweep, fixed=fixed)
 
 
-def _prepare_spec(settings: LaunchSettings) -> SystemSpec:
-    """The --spec loaded and the layout overrides' nesting and sizes checked; UsageError otherwise."""
+def _check_layout(settings: LaunchSettings) -> None:
+    """The layout overrides' nesting and sizes checked; UsageError otherwise."""
     from commbench.inputs.layout import build_layout
-    from commbench.inputs.specs import load_spec
 
-    system = load_spec(settings.spec_text)
     build_layout(settings.world_size, settings.ranks_per_domain, settings.ranks_per_host)
-    return system
+
+
+def _judge(acceptance: Acceptance | None, error: BaseException | None) -> Any:
+    """The report's judge for a run that ended with ``error`` (None: it finished), or None."""
+    if acceptance is None:
+        return None
+    from commbench.cli.acceptance import make_judge
+    from commbench.report.verdict import run_status_from_error
+
+    return make_judge(acceptance, run_status_from_error(error))
 
 
 def _with_report_layout(options: dict[str, Any], settings: LaunchSettings) -> dict[str, Any]:
     """The sim backend models the report's system and layout, unless its own options say otherwise."""
-    merged = {"spec": settings.spec_text, **options}
+    from commbench.inputs.specs import DEFAULT_SPEC_NAME
+
+    # sim needs figures to model: with no --spec it models the catalogue's default system.
+    merged = {"spec": settings.spec_text or DEFAULT_SPEC_NAME, **options}
     if settings.ranks_per_domain is not None:
         merged.setdefault("ranks_per_domain", settings.ranks_per_domain)
     if settings.ranks_per_host is not None:
@@ -320,45 +397,12 @@ def _run_meta(command: str, args: dict[str, Any], backend_reason: str) -> dict[s
 # On every rank
 
 
-class _Progress:
-    """'[3/7] deepseek-v3 zipf:1.2 dispatch ...' lines on stderr after each finished phase (rank 0)."""
-
-    def __init__(self, total: int, spec: SystemSpec, swept_keys: tuple[str, ...] = ()) -> None:
-        self.total = total
-        self.spec = spec
-        self.done = 0
-        self.swept_keys = swept_keys
-
-    def _setting(self, row: dict[str, Any]) -> str:
-        """The swept knobs of a row (effective values) for its progress line, e.g. " [chunk_rows=4]"."""
-        knobs = row.get("knobs") or {}
-        prefix = f"{row.get('backend_name')}_"  # sim and mock report their options as "<name>_<option>"
-        values = {key: knobs.get(key, knobs.get(prefix + key)) for key in self.swept_keys}
-        shown = [f"{key}={value}" for key, value in values.items() if value is not None]
-        return f" [{' '.join(shown)}]" if shown else ""
-
-    def __call__(self, rows: list[dict[str, Any]]) -> None:
-        from commbench.report import format_bandwidth, results_frame
-        from commbench.report.tables import fmt_wrong
-
-        if not rows:
-            return
-        for row, record in zip(rows, results_frame(rows, self.spec).to_dict("records"), strict=True):
-            self.done += 1
-            phase = record.get("phase")
-            case = "alltoall" if phase == "alltoall" else f"{record.get('skew')} {phase}"
-            click.echo(
-                f"[{self.done}/{self.total}] {record.get('pattern')} {case}{self._setting(row)}: "
-                f"size {int(record['size_bytes'])} B, {record['time_us_p50']:.1f} us, "
-                f"busbw {format_bandwidth(record['busbw_GBps'])} GB/s, "
-                f"#wrong {fmt_wrong(record.get('wrong'))}",
-                err=True,
-            )
-
-
 def launch_worker(comm: Any, plan: LaunchPlan) -> None:
-    """Every rank runs the jobs; rank 0 writes the report as phases finish and prints the table."""
+    """Every rank runs the jobs, then reruns the cases with a slow rank (``cli.acceptance``); rank 0 writes
+    the report as phases finish, the verdict, and prints the table."""
     from commbench.backends import get_backend
+    from commbench.cli.acceptance import confirm_slow_ranks, make_judge, rank_names
+    from commbench.report.verdict import RunStatus, run_status_from_error
     from commbench.run.harness import run_jobs
     from commbench.run.placement import gather_layout
 
@@ -366,23 +410,25 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
     layout = gather_layout(comm, plan.options)  # collective: every rank's place
     if comm.rank != 0:
         run_jobs(comm, plan.jobs, plan.options, backend_class, None, layout)
+        if plan.acceptance is not None:
+            confirm_slow_ranks(comm, plan.jobs, plan.options, backend_class, layout, [], plan.acceptance)
         return
 
     from commbench.hardware.environment import capture_environment
     from commbench.report import ReportWriter, results_table
     from commbench.run.liveness import deferred_stop
+    from commbench.run.nccl_env import applied
 
     env = capture_environment()
     env["argv"] = plan.meta.get("argv", env["argv"])
     env["command"] = plan.meta.get("command", env["command"])
-    from commbench.run.nccl_env import applied
-
-    if (nccl_errors := applied()) is not None:  # the TORCH_NCCL_* error handling this run used, and who chose it
+    if (nccl_errors := applied()) is not None:  # the TORCH_NCCL_* error handling in effect, and who set it
         env["nccl_error_handling"] = nccl_errors.to_meta()
     meta = {**plan.meta, "env": env, "topology": layout.to_meta()}
     writer = ReportWriter(plan.out_dir, meta, plan.spec, plan.out_claim)  # adds the spec to meta.json
     click.echo(f"commbench: topology: {layout.describe()}", err=True)
-    progress = _Progress(plan.total_steps, plan.spec, plan.swept_keys)
+    progress = Progress(plan.total_steps, plan.spec, plan.swept_keys)
+    names = rank_names(layout)
 
     def sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
         with deferred_stop():  # a stop signal waits until these rows are written whole
@@ -390,16 +436,25 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
             progress(rows)
 
     try:
-        run_jobs(comm, plan.jobs, plan.options, backend_class, sink, layout)
+        _, rank_rows = run_jobs(comm, plan.jobs, plan.options, backend_class, sink, layout)
+        outcomes = []
+        if plan.acceptance is not None:
+            outcomes = confirm_slow_ranks(
+                comm, plan.jobs, plan.options, backend_class, layout, rank_rows, plan.acceptance
+            )
     except BaseException as stopped_by:
-        # Keep whatever finished readable (summary, html), saying INCOMPLETE and why, before the error
-        # propagates; a second stop signal meanwhile does not cut it short.
+        # Keep whatever finished readable (summary, html, verdict), saying INCOMPLETE and why, before the
+        # error propagates; a second stop signal meanwhile does not cut it short.
         with deferred_stop():
             try:
-                frame = writer.finalize(incomplete=incomplete_reason(stopped_by))
+                judge = None
+                if plan.acceptance is not None:
+                    judge = make_judge(plan.acceptance, run_status_from_error(stopped_by), (), names)
+                frame = writer.finalize(incomplete=incomplete_reason(stopped_by), judge=judge)
                 if not frame.empty:
                     click.echo(results_table(frame, writer.meta))
             except Exception as exc:  # never mask the original error
                 click.echo(f"commbench: could not finalize the partial report: {exc}", err=True)
         raise
-    click.echo(results_table(writer.finalize(), writer.meta))
+    judge = make_judge(plan.acceptance, RunStatus(), outcomes, names) if plan.acceptance is not None else None
+    click.echo(results_table(writer.finalize(judge=judge), writer.meta))

@@ -233,6 +233,71 @@ TIMING = click.option(
     "the balanced sweep (iteration with --check every), iteration for MoE dispatch/combine. Written in every "
     "result row (timing).",
 )
+
+
+class InjectDelay(click.ParamType):
+    """RANK:MICROSECONDS (the hidden --inject-delay test hook) -> (rank, seconds)."""
+
+    name = "RANK:US"
+    _pattern = re.compile(r"^\s*(\d{1,8})\s*:\s*(\d{1,8}(?:\.\d*)?)\s*$")
+
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, float]:
+        if isinstance(value, tuple):
+            return value
+        match = self._pattern.match(str(value))
+        if not match or float(match.group(2)) <= 0:
+            self.fail(f"{str(value)[:40]!r} is not RANK:MICROSECONDS; use e.g. 2:5000", param, ctx)
+        return int(match.group(1)), float(match.group(2)) / 1e6
+
+
+INJECT_DELAY = click.option(
+    "--inject-delay",
+    "inject_delay",
+    type=InjectDelay(),
+    multiple=True,
+    hidden=True,
+    help="Test hook: RANK:MICROSECONDS makes that rank sleep that long before each phase call of every "
+    "timed iteration (every case, every backend), so the verdict's outlier rule can be tested.",
+)
+_ACCEPTANCE_OPTIONS = (
+    click.option(
+        "--limits",
+        "limits_file",
+        type=click.Path(dir_okay=False),
+        default=None,
+        metavar="FILE",
+        help="Acceptance limits (YAML) laid over the spec's shipped ones (commbench/inputs/acceptance/"
+        "<spec>.yaml; cpu.yaml for a CPU run): only the keys given change.",
+    ),
+    click.option(
+        "--limit",
+        "limit_overrides",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="Override one acceptance limit (repeatable), e.g. --limit spread.confirm_reruns=3 or "
+        "--limit balanced.large.busbw_fail_fraction=0.6.",
+    ),
+    click.option(
+        "--baseline",
+        "baseline_file",
+        type=click.Path(dir_okay=False),
+        default=None,
+        metavar="FILE",
+        help="A baseline (commbench baseline RUN_DIR... --out FILE): each case is also judged against it "
+        "(WARN > 5%, FAIL > 10% worse than its median and beyond its run-to-run spread).",
+    ),
+)
+
+
+def acceptance_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--limits, --limit and --baseline (run and suite): what the verdict judges by."""
+    for option in reversed(_ACCEPTANCE_OPTIONS):
+        func = option(func)
+    return func
+
+
 OUT = click.option(
     "--out",
     type=click.Path(file_okay=False),

@@ -13,8 +13,11 @@ def report(report_dir: str) -> None:
 
     Every file is checked first: a folder whose files are cut or malformed is refused with one line naming
     the file (exit 2), and nothing in it changes. results.csv, ranks.csv and meta.json are never rewritten.
-    A run that was stopped is re-rendered and said to be INCOMPLETE."""
+    A run that was stopped is re-rendered and said to be INCOMPLETE. The pages open with the folder's own
+    verdict.json (never rewritten), whose line is printed last; a folder without one says it has no
+    verdict."""
     from commbench.report import render_report, results_table
+    from commbench.report.verdict import console_line
 
     frame = render_report(report_dir)
     incomplete = frame.attrs.get("incomplete")
@@ -23,3 +26,6 @@ def report(report_dir: str) -> None:
     click.echo(results_table(frame))
     state = f" (INCOMPLETE run: {incomplete})" if incomplete else ""
     click.echo(f"commbench: re-rendered {report_dir}{state}")
+    verdict = frame.attrs.get("verdict")
+    if verdict is not None:  # the folder's own verdict, last (a stopped run's says INCOMPLETE or FAIL)
+        click.echo(console_line(verdict, report_dir))

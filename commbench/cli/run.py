@@ -19,30 +19,40 @@ SUITE_TOKENS = 512
 SUITE_MIN_BYTES = 1 << 10
 SUITE_MAX_BYTES = 16 << 20
 SUITE_STEP_FACTOR = 2.0
+# The MoE cases' windows: their skew cost (a ratio of two times) swings between single runs on a busy host.
+SUITE_MOE_REPEAT = 3
+MAX_REPEAT = 1000
+RACK_TOKENS = 4096
 # --quick: a smoke test of the whole pipeline in seconds.
 QUICK_TOKENS = 128
 QUICK_MAX_BYTES = 1 << 20
 QUICK_STEP_FACTOR = 4.0
 
 
+def _backend_option(func: Any) -> Any:
+    return click.option(
+        "--backend-option",
+        "option_pairs",
+        multiple=True,
+        metavar="KEY=VALUE[,VALUE...]",
+        help="Backend knob (repeatable), e.g. num_blocks=24; lands in every result row. Several values "
+        "(num_blocks=16,32,64) sweep them: every combination of the listed values runs in this one launch "
+        "and report folder.",
+    )(func)
+
+
 @click.command()
 @opt.moe_options
 @opt.WORLD_SIZE
 @opt.BACKEND
-@click.option(
-    "--backend-option",
-    "option_pairs",
-    multiple=True,
-    metavar="KEY=VALUE[,VALUE...]",
-    help="Backend knob (repeatable), e.g. num_blocks=24; lands in every result row. Several values "
-    "(num_blocks=16,32,64) sweep them: every combination of the listed values runs in this one launch and "
-    "report folder.",
-)
+@_backend_option
 @opt.WARMUP
 @opt.ITERS
 @opt.TIMEOUT
 @opt.CHECK
 @opt.TIMING
+@opt.INJECT_DELAY
+@opt.acceptance_options
 @opt.OUT
 @click.option(
     "--corrupt",
@@ -126,19 +136,51 @@ def run(
 @click.command()
 @opt.WORLD_SIZE
 @opt.BACKEND
+@_backend_option
+@click.option(
+    "--model",
+    "models",
+    multiple=True,
+    metavar="NAME|PATH",
+    help=f"Model preset or YAML file of the MoE cases (repeatable). Default: {SUITE_MODEL}.",
+)
+@click.option(
+    "--skew",
+    "skews",
+    multiple=True,
+    help="Skew of the MoE cases (repeatable; every model runs every skew). Default: "
+    f"{', '.join(SUITE_SKEWS)}. " + opt.SKEW_HELP,
+)
 @click.option(
     "--tokens",
     type=click.IntRange(min=1, max=opt.MAX_TOKENS),
     default=None,
-    help=f"Tokens per rank for the {SUITE_MODEL} cases, in tokens. Default: {SUITE_TOKENS} "
-    f"({QUICK_TOKENS} with --quick).",
+    help=f"Tokens per rank of the MoE cases. Default: {SUITE_TOKENS} ({QUICK_TOKENS} with --quick); on a GPU "
+    f"rack use {RACK_TOKENS}.",
+)
+@click.option(
+    "--max-bytes",
+    type=opt.BYTES,
+    default=None,
+    help=f"Largest balanced size, bytes each rank sends (nccl-tests -e). Default: {SUITE_MAX_BYTES >> 20}M "
+    f"({QUICK_MAX_BYTES >> 20}M with --quick); on a GPU rack e.g. 1G.",
 )
 @opt.WARMUP
 @opt.ITERS
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1, max=MAX_REPEAT),
+    default=None,
+    help=f"Measurement windows per case (each case run N times, round after round); the report shows the "
+    f"spread (min/median/max over windows). Default: {SUITE_MOE_REPEAT} for the MoE cases (their skew cost "
+    "is a ratio of two times) and 1 for the balanced sweep; 1 with --quick.",
+)
 @opt.SEED
 @opt.TIMEOUT
 @opt.CHECK
 @opt.TIMING
+@opt.INJECT_DELAY
+@opt.acceptance_options
 @opt.OUT
 @opt.layout_options
 @opt.imbalance_cost_option(default=True)
@@ -146,37 +188,62 @@ def run(
     "--quick",
     is_flag=True,
     help=f"Smoke test: sizes 1 KiB..{QUICK_MAX_BYTES >> 20} MiB x{QUICK_STEP_FACTOR:g}, "
-    f"{QUICK_TOKENS} tokens, {opt.QUICK_WARMUP} warm-up + {opt.QUICK_ITERS} timed iterations.",
+    f"{QUICK_TOKENS} tokens, {opt.QUICK_WARMUP} warm-up + {opt.QUICK_ITERS} timed iterations, one window.",
 )
-def suite(tokens: int | None, seed: int, quick: bool, **params: Any) -> None:
-    """The default suite in one launch and one report folder.
+def suite(
+    models: tuple[str, ...],
+    skews: tuple[str, ...],
+    tokens: int | None,
+    max_bytes: int | None,
+    repeat: int | None,
+    option_pairs: tuple[str, ...],
+    seed: int,
+    quick: bool,
+    **params: Any,
+) -> None:
+    """The default suite in one launch and one report folder, ending with a verdict.
 
     \b
     1. balanced all-to-all sweep, 1 KiB .. 16 MiB each rank sends, x2 per step (nccl-tests -b 1K -e 16M -f 2);
     2. deepseek-v3 dispatch + combine (FP8 dispatch, BF16 combine, token mode) at skews
-       uniform, zipf:1.2 and hot:8:0.3, 512 tokens per rank.
-    Sized for 4 gloo ranks on 2 CPU cores to take a few minutes; on GPUs raise --tokens (e.g. 4096).
+       uniform, zipf:1.2 and hot:8:0.3, 512 tokens per rank, 3 windows each.
+    Sized for 4 gloo ranks on 2 CPU cores to take a few minutes; on GPUs raise --tokens (e.g. 4096) and
+    --max-bytes (e.g. 1G). Exit code: 0 PASS or WARN, 1 FAIL, 2 could not run, 3 wrong data, 4 a rank died
+    or timed out.
     """
     settings = LaunchSettings.from_params(params, quick=quick)
     world = settings.world_size
     tokens = tokens or (QUICK_TOKENS if quick else SUITE_TOKENS)
-    max_bytes = QUICK_MAX_BYTES if quick else SUITE_MAX_BYTES
+    max_bytes = max_bytes or (QUICK_MAX_BYTES if quick else SUITE_MAX_BYTES)
     step = QUICK_STEP_FACTOR if quick else SUITE_STEP_FACTOR
-    sizes = balanced_sizes(SUITE_MIN_BYTES, max_bytes, step, world)
-    jobs = [balanced_job(sizes, settings)]
-    for skew in SUITE_SKEWS:
-        moe = MoeInputs(SUITE_MODEL, skew, tokens, seed, 0.0, None, "token")
-        jobs.append(moe_job(build_routing_config(moe, world, dry_run=False), "token", settings))
+    models = models or (SUITE_MODEL,)
+    skews = skews or SUITE_SKEWS
+    moe_repeat = repeat or (1 if quick else SUITE_MOE_REPEAT)
+    sizes = balanced_sizes(min(SUITE_MIN_BYTES, max_bytes), max_bytes, step, world)
+    cases: list[Any] = [balanced_job(sizes, settings)]
+    for model in models:
+        for skew in skews:
+            moe = MoeInputs(model, skew, tokens, seed, 0.0, None, "token")
+            cases.append(moe_job(build_routing_config(moe, world, dry_run=False), "token", settings))
+    # Round after round: each window of a case is apart in time from its others, as separate runs would be.
+    rounds = max(repeat or 1, moe_repeat)
+    jobs = [
+        replace(job, window=window)
+        for window in range(rounds)
+        for job in cases
+        if window < (moe_repeat if job.kind == "moe" else repeat or 1)
+    ]
     check_jobs(jobs, settings)
     args = {
         "suite": "quick" if quick else "default",
-        "model": SUITE_MODEL,
-        "skews": list(SUITE_SKEWS),
+        "model": models[0] if len(models) == 1 else list(models),
+        "skews": list(skews),
         "tokens_per_rank": tokens,
-        "min_bytes": SUITE_MIN_BYTES,
+        "min_bytes": sizes[0],
         "max_bytes": max_bytes,
         "step_factor": step,
         "sizes": sizes,
         "seed": seed,
+        "repeat": {"balanced": repeat or 1, "moe": moe_repeat},
     }
-    launch("suite", settings, jobs, args)
+    launch("suite", settings, jobs, args, option_pairs=option_pairs)

@@ -28,6 +28,8 @@ from commbench.errors import UsageError
 from commbench.inputs.userfiles import load_yaml_mapping, read_user_text, shorten
 
 DEFAULT_SPEC_NAME = "gb300-nvl72"
+# The spec of a run with nothing to compare with (a CPU run, an unknown GPU): every figure NaN.
+NO_SPEC_NAME = "none"
 
 # key -> (type, required). Counts are ints, bandwidths floats (ints accepted), flags bools, text str.
 _KEYS: dict[str, tuple[type, bool]] = {
@@ -215,3 +217,21 @@ def _checked(where: str, key: str, raw: Any) -> Any:
     if not math.isfinite(value) or value < 0 or (value == 0 and key not in _MAY_BE_ZERO):
         raise UsageError(f"{where}: {key} must be positive, got {shown}")
     return value
+
+
+def no_spec(reason: str) -> SystemSpec:
+    """The spec of a run with no hardware spec to compare with (a CPU run, a GPU the catalogue does not
+    know): every figure NaN, so no %spec and no spec line is ever computed from it; ``description`` says
+    why."""
+    return SystemSpec(
+        name=NO_SPEC_NAME,
+        gpus_per_domain=1,
+        nvlink_GBps_per_direction=math.nan,
+        nic_Gbps_per_direction=math.nan,
+        description=reason,
+    )
+
+
+def has_figures(spec: SystemSpec) -> bool:
+    """Whether ``spec`` has figures to compare with (False for ``no_spec``)."""
+    return spec.name != NO_SPEC_NAME and math.isfinite(spec.nvlink_GBps_per_direction)

@@ -19,14 +19,14 @@ import io
 import json
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from commbench.inputs.specs import SystemSpec, load_spec, spec_from_dict
+from commbench.inputs.specs import NO_SPEC_NAME, SystemSpec, load_spec, no_spec, spec_from_dict
 from commbench.inputs.userfiles import clip
 from commbench.plain import is_missing, knobs_text, plain
 from commbench.report.console import (
@@ -53,7 +53,12 @@ from commbench.report.frame import (
     results_frame,
 )
 from commbench.report.html import incomplete_reason, report_html, summary_markdown
+from commbench.report.junit import write_junit
 from commbench.report.reading import RANK_COLUMNS, RESULT_COLUMNS, read_meta, read_report, read_rows
+from commbench.report.verdict import VERDICT_FILE, Verdict, read_verdict_json, write_verdict_json
+
+# Judges a finished (or stopped) run: (results frame, rank frame, meta) -> its Verdict (cli.acceptance).
+Judge = Callable[[pd.DataFrame, pd.DataFrame, dict[str, Any]], Verdict]
 
 INCOMPLETE_REASON_CHARS = 300  # a reason is one line (e.g. "stopped by SIGTERM after 3 of 8 cases")
 
@@ -81,6 +86,8 @@ def spec_from_meta(meta: Mapping[str, Any], where: str = "meta.json") -> SystemS
     """The spec a report folder was written against: meta.json's ``system_spec``, else its ``spec`` figures
     (folders of older versions), else the catalogue's default spec."""
     saved = meta.get("system_spec")
+    if isinstance(saved, Mapping) and saved.get("name") == NO_SPEC_NAME:  # a run with no spec (CPU)
+        return no_spec(str(saved.get("description") or ""))
     if isinstance(saved, Mapping):
         return spec_from_dict(saved, where)
     figures = meta.get("spec")
@@ -169,9 +176,9 @@ class ReportWriter:
             self._guarded(self._ranks.append, file_records(rank_frame(rank_rows)))
             self._rank_rows.extend(rank_rows)
 
-    def finalize(self, incomplete: str | None = None) -> pd.DataFrame:
-        """Write results.parquet, results.json, summary.md and report.html from the rows added; return the
-        results frame.
+    def finalize(self, incomplete: str | None = None, judge: Judge | None = None) -> pd.DataFrame:
+        """Write results.parquet, results.json, the verdict (verdict.json, junit.xml: ``judge``'s), summary.md
+        and report.html from the rows added; return the results frame (``attrs["verdict"]``: the verdict).
 
         ``incomplete``: the run was stopped (a signal, a failure) and this is why, in one line: meta.json gets
         ``status: "incomplete"`` and ``incomplete_reason``, and the pages say INCOMPLETE at the top. After a
@@ -185,8 +192,11 @@ class ReportWriter:
             self.meta = {**self.meta, "status": "incomplete", "incomplete_reason": reason}
             frame.attrs["meta"] = self.meta
             self._write(self.out_dir / "meta.json", json.dumps(plain(self.meta), indent=2) + "\n")
-        pages = report_pages(frame, rank_frame(self._rank_rows), self.meta, self.spec)
+        ranks = rank_frame(self._rank_rows)
+        verdict = judge(frame, ranks, self.meta) if judge is not None else None
+        pages = report_pages(frame, ranks, self.meta, self.spec, verdict)
         self._guarded(write_pages, self.out_dir, pages)
+        frame.attrs["verdict"] = verdict  # after rendering: parquet stores attrs as JSON
         return frame
 
 
@@ -199,14 +209,19 @@ def render_report(out_dir: str | os.PathLike[str]) -> pd.DataFrame:
     run (meta.json status "incomplete"), else None."""
     meta, results, ranks = read_report(out_dir)
     spec = spec_from_meta(meta, str(Path(out_dir) / "meta.json"))
+    verdict = saved_verdict(out_dir)  # checked before anything is written
     frame = results_frame(results, spec)
-    write_pages(Path(out_dir), report_pages(frame, rank_frame(ranks), meta, spec))
+    pages = replace(report_pages(frame, rank_frame(ranks), meta, spec, verdict), new_verdict=False)
+    write_pages(Path(out_dir), pages)
     frame.attrs["incomplete"] = incomplete_reason(meta)
+    frame.attrs["verdict"] = verdict
     frame.attrs["meta"] = meta  # the stdout table's header reads it (report.console)
     return frame
 
 
-def mark_incomplete(out_dir: str | os.PathLike[str], reason: str) -> pd.DataFrame | None:
+def mark_incomplete(
+    out_dir: str | os.PathLike[str], reason: str, judge: Judge | None = None
+) -> pd.DataFrame | None:
     """Finish a stopped run's folder from outside its writer (the launcher, when rank 0 was killed before it
     could call ``finalize(incomplete=...)``): meta.json gets ``status: "incomplete"`` and the reason, and the
     pages are rendered from the rows on disk, saying INCOMPLETE. None (nothing written) when rank 0 never
@@ -221,7 +236,9 @@ def mark_incomplete(out_dir: str | os.PathLike[str], reason: str) -> pd.DataFram
     ranks = read_rows(ranks_csv, RANK_COLUMNS) if ranks_csv.exists() else pd.DataFrame()
     spec = spec_from_meta(meta, str(meta_path))
     frame = results_frame(results, spec)
-    pages = report_pages(frame, rank_frame(ranks), meta, spec)
+    ranks_frame = rank_frame(ranks)
+    verdict = judge(frame, ranks_frame, meta) if judge is not None else None
+    pages = report_pages(frame, ranks_frame, meta, spec, verdict)
     write_atomic(meta_path, json.dumps(plain(meta), indent=2) + "\n")
     write_pages(path, pages)
     frame.attrs["incomplete"] = incomplete_reason(meta)
@@ -241,28 +258,48 @@ class ReportPages:
     results_json: str
     summary_md: str
     report_html: str
+    verdict: Verdict | None = None
+    new_verdict: bool = True  # False: the folder's own verdict.json, shown again (never rewritten)
 
 
 def report_pages(
-    frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec
+    frame: pd.DataFrame,
+    ranks: pd.DataFrame,
+    meta: dict[str, Any],
+    spec: SystemSpec,
+    verdict: Verdict | None = None,
 ) -> ReportPages:
-    """results.parquet, results.json, summary.md and report.html of a run, rendered in memory."""
+    """results.parquet, results.json, summary.md and report.html of a run, rendered in memory; the pages
+    open with ``verdict`` (None: "no verdict", INCOMPLETE)."""
     buffer = io.BytesIO()
-    _parquet_safe(file_frame(frame)).to_parquet(buffer, index=False)
+    table = _parquet_safe(file_frame(frame))
+    table.attrs = {}  # pandas stores attrs in the file: a first render and a re-render must write the same
+    table.to_parquet(buffer, index=False)
     return ReportPages(
         parquet=buffer.getvalue(),
         results_json=json.dumps(results_json(frame, meta, spec), indent=2) + "\n",
-        summary_md=summary_markdown(frame, meta, spec),
-        report_html=report_html(frame, ranks, meta, spec),
+        summary_md=summary_markdown(frame, meta, spec, verdict),
+        report_html=report_html(frame, ranks, meta, spec, verdict),
+        verdict=verdict,
     )
 
 
 def write_pages(out_dir: Path, pages: ReportPages) -> None:
-    """The rendered pages, each written atomically."""
+    """The rendered pages, each written atomically; verdict.json and junit.xml with them when the pages
+    carry a new verdict (a re-render keeps the folder's own)."""
     write_atomic(out_dir / "results.parquet", pages.parquet)
     write_atomic(out_dir / "results.json", pages.results_json)
+    if pages.verdict is not None and pages.new_verdict:
+        write_verdict_json(out_dir, pages.verdict)
+        write_junit(out_dir, pages.verdict)
     write_atomic(out_dir / "summary.md", pages.summary_md)
     write_atomic(out_dir / "report.html", pages.report_html)
+
+
+def saved_verdict(out_dir: str | os.PathLike[str]) -> Verdict | None:
+    """The folder's verdict.json read back, or None when it has none."""
+    path = Path(out_dir) / VERDICT_FILE
+    return read_verdict_json(path) if path.is_file() else None
 
 
 def _parquet_safe(frame: pd.DataFrame) -> pd.DataFrame:

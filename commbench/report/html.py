@@ -15,14 +15,13 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from commbench.inputs.specs import SystemSpec
+from commbench.inputs.specs import SystemSpec, has_figures
 from commbench.plain import is_missing
 from commbench.report.frame import CONVENTIONS, average_bus_bandwidth, balanced_rows
 from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
 from commbench.report.modes import check_text, timing_text
 from commbench.report.tables import (
     SKEW_COST_NOTE,
-    TIME_NOTE,
     any_emulated,
     fmt_int,
     fmt_size,
@@ -34,7 +33,11 @@ from commbench.report.tables import (
     pattern_tables,
     skew_cost_table,
     spec_legend,
+    time_note,
 )
+from commbench.report.verdict import Verdict
+from commbench.report.verdict_view import verdict_html, verdict_markdown
+from commbench.report.windows import WINDOW_NOTE, window_spread_table
 
 
 def environment_lines(meta: dict[str, Any]) -> list[tuple[str, str]]:
@@ -100,41 +103,59 @@ def average_text(frame: pd.DataFrame) -> str | None:
     return f"Avg bus bandwidth (balanced all-to-all only, busbw from the mean time): {average} GB/s"
 
 
-def summary_markdown(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec) -> str:
-    """summary.md: conventions, spec, topology, environment, a table per pattern, link classes, skew cost."""
+def _cpu_run_note(spec: SystemSpec) -> str | None:
+    """The line a run with no spec opens with (a CPU run says what its figures measure)."""
+    return None if has_figures(spec) else (spec.description or "No spec: no %spec is shown.")
+
+
+def summary_markdown(
+    frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec, verdict: Verdict | None = None
+) -> str:
+    """summary.md: the verdict, the headline figures against the spec, a table per pattern, link classes,
+    skew cost, then the environment and the conventions."""
     frame = with_knob_setting(frame)
     parts = ["# commbench report", ""]
     if incomplete_note(meta):
         parts += [f"**{incomplete_note(meta)}**", ""]
+    parts += verdict_markdown(verdict)
+    if _cpu_run_note(spec):
+        parts += [f"**{_cpu_run_note(spec)}**", ""]
     if any_emulated(frame):
         parts += ["**Emulated backend: times and bandwidths below are not hardware measurements.**", ""]
-    parts += ["## Conventions", "", "```", CONVENTIONS, "```", "", f"Spec: {spec_legend(spec)}.", ""]
-    if timing_text(frame):
-        parts += [f"Timing: {timing_text(frame)}.", ""]
-    if check_text(frame):
-        parts += [f"Check: {check_text(frame)}.", ""]
-    topology = topology_text(frame, meta)
-    if topology:
-        parts += [f"Topology: {topology}.", ""]
-    parts += ["## Environment", ""]
-    parts += [f"- {key}: `{value}`" for key, value in environment_lines(meta)]
-    parts.append("")
-    parts += ["## Results", ""]
-    if not frame.empty:
-        parts += [TIME_NOTE, ""]
-    for name, table in pattern_tables(frame, "markdown"):
-        parts += [f"### {name}", "", table, ""]
+    parts += ["## Headline", "", f"Spec: {spec_legend(spec)}.", ""]
     if average_text(frame):
         parts += [average_text(frame), ""]
+    parts += ["## Results", ""]
+    if not frame.empty:
+        parts += [time_note(spec), ""]
+    for name, table in pattern_tables(frame, "markdown"):
+        parts += [f"### {name}", "", table, ""]
     links = link_class_table(frame, "markdown")
     if links:
         parts += ["## By link class", "", link_class_legend(spec), "", links, ""]
     costs = skew_cost_table(frame, "markdown")
     if costs:
         parts += ["## What skew costs", "", SKEW_COST_NOTE, "", costs, ""]
-    while parts and parts[-1] == "":
-        parts.pop()
+    spread = window_spread_table(frame, "markdown")
+    if spread:
+        parts += ["## Spread over windows", "", WINDOW_NOTE, "", spread, ""]
+    parts += ["## Environment", ""]
+    parts += [f"- {key}: `{value}`" for key, value in environment_lines(meta)]
+    parts += ["", "## Conventions", ""]
+    for label, text in _convention_lines(frame, meta):
+        parts += [f"{label}: {text}.", ""]
+    parts += ["```", CONVENTIONS, "```"]
     return "\n".join(parts) + "\n"
+
+
+def _convention_lines(frame: pd.DataFrame, meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """How this run was timed and checked, and its topology, as (label, text)."""
+    lines = [
+        ("Timing", timing_text(frame)),
+        ("Check", check_text(frame)),
+        ("Topology", topology_text(frame, meta)),
+    ]
+    return [(label, text) for label, text in lines if text]
 
 
 _PNG_URL = "data:image/png;base64,"
@@ -147,54 +168,79 @@ th { background: #f0f0f0; }
 pre { background: #f7f7f7; padding: 1em; white-space: pre-wrap; }
 .warning { color: #a00; font-weight: bold; }
 img { max-width: 100%; }
+.wide { max-width: 100%; overflow-x: auto; }
+.wide table { font-size: 0.8em; }
+.verdict.PASS { color: #060; } .verdict.WARN { color: #a60; }
+.verdict.FAIL, .verdict.stopped { color: #a00; }
+td { overflow-wrap: anywhere; }
 """
 
 
-def report_html(frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec) -> str:
-    """A self-contained HTML page: conventions, environment, tables and plots (PNG embedded as base64)."""
+def report_html(
+    frame: pd.DataFrame,
+    ranks: pd.DataFrame,
+    meta: dict[str, Any],
+    spec: SystemSpec,
+    verdict: Verdict | None = None,
+) -> str:
+    """A self-contained HTML page in summary.md's order, with plots (PNG embedded as base64) after the
+    tables."""
     esc = html.escape
     frame = with_knob_setting(frame)
     ranks = with_knob_setting(ranks)
     body = ["<h1>commbench report</h1>"]
     if incomplete_note(meta):
         body.append(f'<p class="warning">{esc(incomplete_note(meta) or "")}</p>')
+    body += verdict_html(verdict)
+    if _cpu_run_note(spec):
+        body.append(f'<p class="warning">{esc(_cpu_run_note(spec) or "")}</p>')
     if any_emulated(frame):
         body.append('<p class="warning">Emulated backend: times and bandwidths are not hardware figures.</p>')
-    body += [
-        "<h2>Conventions</h2>",
-        f"<pre>{esc(CONVENTIONS)}</pre>",
-        f"<p>Spec: {esc(spec_legend(spec))}.</p>",
-    ]
-    if timing_text(frame):
-        body.append(f"<p>Timing: {esc(timing_text(frame) or '')}.</p>")
-    if check_text(frame):
-        body.append(f"<p>Check: {esc(check_text(frame) or '')}.</p>")
-    topology = topology_text(frame, meta)
-    if topology:
-        body.append(f"<p>Topology: {esc(topology)}.</p>")
-    environment = format_table(["item", "value"], environment_lines(meta), "html", text_columns={0, 1})
-    body += ["<h2>Environment</h2>", environment, "<h2>Results</h2>"]
-    if not frame.empty:
-        body.append(f"<p>{esc(TIME_NOTE)}</p>")
-    for name, table in pattern_tables(frame, "html"):
-        body += [f"<h3>{esc(name)}</h3>", table]
+    body += ["<h2>Headline</h2>", f"<p>Spec: {esc(spec_legend(spec))}.</p>"]
     if average_text(frame):
         body.append(f"<p>{esc(average_text(frame) or '')}</p>")
+    plots = [
+        ("Balanced all-to-all: bus bandwidth vs size", _plot_balanced(frame, spec)),
+        (
+            "Achieved per-GPU bandwidth" + (" vs spec" if has_figures(spec) else ""),
+            _plot_per_gpu_vs_spec(frame, spec),
+        ),
+        *((f"Per-rank bytes: {title}", png) for title, png in _plot_ranks(ranks)),
+    ]
+    for title, png in plots[:2]:
+        if png:
+            body.append(f'<h3>{esc(title)}</h3><img alt="{esc(title)}" src="{_PNG_URL}{png}">')
+    body.append("<h2>Results</h2>")
+    if not frame.empty:
+        body.append(f"<p>{esc(time_note(spec))}</p>")
+    for name, table in pattern_tables(frame, "html"):
+        body += [f"<h3>{esc(name)}</h3>", f'<div class="wide">{table}</div>']
     links = link_class_table(frame, "html")
     if links:
-        body += ["<h2>By link class</h2>", f"<p>{esc(link_class_legend(spec))}</p>", links]
+        body += [
+            "<h2>By link class</h2>",
+            f"<p>{esc(link_class_legend(spec))}</p>",
+            f'<div class="wide">{links}</div>',
+        ]
     costs = skew_cost_table(frame, "html")
     if costs:
         body += ["<h2>What skew costs</h2>", f"<p>{esc(SKEW_COST_NOTE)}</p>", costs]
-    body.append("<h2>Plots</h2>")
-    plots = [
-        ("Balanced all-to-all: bus bandwidth vs size", _plot_balanced(frame, spec)),
-        ("Achieved per-GPU bandwidth vs spec", _plot_per_gpu_vs_spec(frame, spec)),
-        *((f"Per-rank bytes: {title}", png) for title, png in _plot_ranks(ranks)),
-    ]
-    for title, png in plots:
+    spread = window_spread_table(frame, "html")
+    if spread:
+        body += [
+            "<h2>Spread over windows</h2>",
+            f"<p>{esc(WINDOW_NOTE)}</p>",
+            f'<div class="wide">{spread}</div>',
+        ]
+    if any(png for _, png in plots[2:]):
+        body.append("<h2>Per rank</h2>")
+    for title, png in plots[2:]:
         if png:
             body.append(f'<h3>{esc(title)}</h3><img alt="{esc(title)}" src="{_PNG_URL}{png}">')
+    environment = format_table(["item", "value"], environment_lines(meta), "html", text_columns={0, 1})
+    body += ["<h2>Environment</h2>", environment, "<h2>Conventions</h2>"]
+    body += [f"<p>{esc(label)}: {esc(text)}.</p>" for label, text in _convention_lines(frame, meta)]
+    body.append(f"<pre>{esc(CONVENTIONS)}</pre>")
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>commbench report</title>'
         f"<style>{_HTML_STYLE}</style></head>\n<body>\n" + "\n".join(body) + "\n</body></html>\n"
@@ -237,7 +283,8 @@ def _plot_balanced(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
         group = group.sort_values("size_bytes")
         axes.plot(group["size_bytes"], group["busbw_mean_GBps"], marker="o", label=f"{name} busbw")
         axes.plot(group["size_bytes"], group["algbw_mean_GBps"], marker=".", ls=":", label=f"{name} algbw")
-    axes.axhline(spec.nvlink_GBps_per_direction, color="red", linestyle="--", label=f"spec {spec.name}")
+    if has_figures(spec):  # a CPU run has no spec line to draw
+        axes.axhline(spec.nvlink_GBps_per_direction, color="red", linestyle="--", label=f"spec {spec.name}")
     axes.set_xscale("log", base=2)
     axes.set_yscale("log")
     axes.set_xlabel("size: bytes each rank sends (B)")
@@ -284,6 +331,8 @@ def _plot_per_gpu_vs_spec(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
     values = cases["per_gpu_GBps"].astype(float).to_numpy()
     bars = axes.bar(positions, values, color="tab:blue")
     for bar, record in zip(bars, records, strict=True):
+        if not has_figures(spec):  # no spec: no % label
+            break
         axes.annotate(
             f"{record['pct_spec']:.2g}%",
             (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -291,7 +340,8 @@ def _plot_per_gpu_vs_spec(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
             va="bottom",
             fontsize="x-small",
         )
-    axes.axhline(spec.nvlink_GBps_per_direction, color="red", linestyle="--", label=f"spec {spec.name}")
+    if has_figures(spec):  # a CPU run has no spec line to draw
+        axes.axhline(spec.nvlink_GBps_per_direction, color="red", linestyle="--", label=f"spec {spec.name}")
     axes.set_yscale("log")
     axes.set_xticks(positions, [_case_label(r) for r in records], fontsize="x-small")
     axes.set_ylabel("per-GPU GB/s, one direction")
@@ -299,7 +349,8 @@ def _plot_per_gpu_vs_spec(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
         "Achieved per-GPU bandwidth (busbw; balanced: mean time, MoE: p50) vs spec, labels: % of spec"
     )
     axes.grid(True, axis="y", which="both", alpha=0.3)
-    axes.legend(fontsize="small")
+    if has_figures(spec):
+        axes.legend(fontsize="small")
     return _figure_png(figure)
 
 

@@ -12,7 +12,9 @@ malformed:
   ``phase``, and numbers in numeric columns (finite; whole numbers within int64 in byte, count and rank
   columns). Empty cells are missing values (a balanced row has no skew, mock's #wrong is n/a).
 
-Only empty cells read as missing: text such as "n/a" or "None" stays text, as the run wrote it.
+Only empty cells read as missing: text such as "n/a" or "None" stays text, as the run wrote it. The rows come
+back in the form the run's rows had in memory (``report.frame.canonical_rows``), so a re-render writes the
+same results.json and results.parquet as the run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import pandas as pd
 
 from commbench.errors import UsageError
 from commbench.inputs.userfiles import clip, decode_user_text, kind_of, read_user_bytes, show_path
+from commbench.report.frame import TEXT_COLUMNS, canonical_rows
 
 # meta.json holds the environment and the layout (a few KiB; ~100 bytes per rank): 32 MiB is ~300,000 ranks.
 MAX_META_BYTES = 32 << 20
@@ -38,25 +41,8 @@ MAX_CSV_BYTES = 256 << 20
 
 _DAMAGED = "the file is cut or damaged: restore it or run the benchmark again"
 
-# Text columns the harness writes (read as text, exactly as written); the first two may not be empty.
-TEXT_COLUMNS = (
-    "pattern",
-    "phase",
-    "backend",
-    "backend_name",
-    "skew",
-    "send_mode",
-    "dispatch_dtype",
-    "layout_source",
-    "nvlink_bottleneck_dir",
-    "scaleout_bottleneck_dir",
-    "check",
-    "knobs",
-    "spec_name",
-)
+# Text columns (report.frame.TEXT_COLUMNS) are read as text, exactly as written; these may not be empty.
 _NON_EMPTY = ("pattern", "phase")
-# Text columns whose empty cells the rows hold as "" (not NaN).
-_EMPTY_AS_TEXT = ("knobs", "nvlink_bottleneck_dir", "scaleout_bottleneck_dir")
 RESULT_COLUMNS = (
     "pattern",
     "phase",
@@ -83,6 +69,8 @@ _WHOLE_NAMES = frozenset(
         "rank",
         "domain",
         "host",
+        "window",
+        "job_index",
     )
 )
 _WHOLE_SUFFIXES = ("_bytes", "_bottleneck_rank")
@@ -199,10 +187,9 @@ def read_rows(path: str | os.PathLike[str], required: Sequence[str] = RESULT_COL
         whole = column in _WHOLE_NAMES or column.endswith(_WHOLE_SUFFIXES)
         if whole or column in _NUMBER_NAMES or column.endswith(_NUMBER_SUFFIXES):
             frame[column] = _numbers(frame[column], whole, where, lines)
-    for column in _EMPTY_AS_TEXT:
-        if column in frame.columns:
-            frame[column] = frame[column].astype(object).where(frame[column].notna(), "")
-    return frame
+    # The form rows have in memory too (report.frame.canonical_rows): "" in knobs and the bottleneck
+    # directions, text columns as text even when every cell is empty, so a re-render writes what the run did.
+    return canonical_rows(frame)
 
 
 def _whole_rows(text: str, where: str) -> tuple[list[str], list[int]]:

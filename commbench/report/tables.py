@@ -17,7 +17,7 @@ from typing import Any
 
 import pandas as pd
 
-from commbench.inputs.specs import SystemSpec
+from commbench.inputs.specs import NO_SPEC_NAME, SystemSpec, has_figures
 from commbench.plain import is_missing
 from commbench.report.knobs import KNOB_SETTING_COLUMN
 from commbench.report.modes import mixes_timing, with_timing
@@ -194,8 +194,10 @@ def _neck(name: str, header: str) -> Column:
 
 
 def render(columns: Sequence[Column], frame: pd.DataFrame, style: str, **options: Any) -> str:
-    """``frame``'s rows under ``columns`` (those whose source column it has), through ``format_table``."""
-    shown = [c for c in columns if c.source in frame.columns]
+    """``frame``'s rows under ``columns`` (those whose source column it has; no %spec column in a run with
+    no spec), through ``format_table``."""
+    no_spec = "spec_name" in frame.columns and frame["spec_name"].eq(NO_SPEC_NAME).all()
+    shown = [c for c in columns if c.source in frame.columns and not (no_spec and "spec" in c.source)]
     records = frame.to_dict("records")
     return format_table(
         [c.header for c in shown],
@@ -208,6 +210,7 @@ def render(columns: Sequence[Column], frame: pd.DataFrame, style: str, **options
 
 KNOBS = column(KNOB_SETTING_COLUMN, "knobs", fmt_text)
 TIMING = column("timing", "timing", fmt_text)  # shown only where the rows mix timing modes
+WINDOW = column("window", "window", fmt_int)  # shown only where a case has several windows (--repeat)
 _CASE = (column("pattern", "pattern", fmt_text), column("skew", "skew", fmt_text))
 _PHASE = column("phase", "phase", fmt_text)
 _BACKEND = column("backend", "backend", fmt_text)
@@ -223,6 +226,7 @@ _BALANCED_TABLE = (
     _BACKEND,
     KNOBS,
     TIMING,
+    WINDOW,
     _SIZE,
     column("time_us_mean", "time mean(us)", fmt_time),
     *_OTHER_TIMES,
@@ -236,6 +240,7 @@ _MOE_TABLE = (
     _BACKEND,
     KNOBS,
     TIMING,
+    WINDOW,
     column("skew", "skew", fmt_text),
     column("send_mode", "send mode", fmt_text),
     column("tokens_per_rank", "tokens/rank", fmt_int),
@@ -257,6 +262,15 @@ TIME_NOTE = (
     "busbw and %spec from it. MoE tables: time mean, p50, min and p99 shown; algbw, busbw, %spec and agg "
     "from p50. The timing column (where rows were timed in more than one way) says how: see Conventions."
 )
+
+
+def time_note(spec: SystemSpec) -> str:
+    """TIME_NOTE, without the %spec it does not show when there is no spec."""
+    if has_figures(spec):
+        return TIME_NOTE
+    return TIME_NOTE.replace("algbw, busbw and %spec", "algbw and busbw").replace(
+        "algbw, busbw, %spec and agg", "algbw, busbw and agg"
+    )
 
 
 def _class_columns(name: str, label: str, spec_label: str) -> tuple[Column, ...]:
@@ -288,6 +302,7 @@ _SKEW_COST_TABLE = (
     *_CASE,
     _PHASE,
     KNOBS,
+    WINDOW,
     column("maxvio", "maxvio", fmt_float(3)),
     column("total_bytes", "total(B)", fmt_int),
     column("time_us_p50", "time p50(us)", fmt_time),
@@ -306,10 +321,11 @@ def any_emulated(frame: pd.DataFrame) -> bool:
 
 def timing_shown(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` with a ``timing`` cell in every row where the rows mix timing modes, else without the
-    column (tables show it only where it tells rows apart)."""
-    if mixes_timing(frame):
-        return with_timing(frame)
-    return frame.drop(columns="timing", errors="ignore")
+    column, and without ``window`` unless a case has several (tables show what tells rows apart)."""
+    frame = with_timing(frame) if mixes_timing(frame) else frame.drop(columns="timing", errors="ignore")
+    if "window" in frame.columns and pd.to_numeric(frame["window"], errors="coerce").fillna(0).max() < 1:
+        frame = frame.drop(columns="window")  # one window per case: the column says nothing
+    return frame
 
 
 def pattern_tables(frame: pd.DataFrame, style: str) -> list[tuple[str, str]]:
@@ -342,11 +358,13 @@ def skew_cost_table(frame: pd.DataFrame, style: str) -> str | None:
     if frame.empty or "balanced_time_us_p50" not in frame.columns:
         return None
     rows = frame[pd.to_numeric(frame["balanced_time_us_p50"], errors="coerce").notna()]
-    return None if rows.empty else render(_SKEW_COST_TABLE, rows, style)
+    return None if rows.empty else render(_SKEW_COST_TABLE, timing_shown(rows), style)
 
 
 def spec_legend(spec: SystemSpec) -> str:
     """The spec figures the report compares with, and how they scale to the ranks used."""
+    if not has_figures(spec):
+        return f"none ({spec.description or 'no spec'}); no %spec is shown"
     per_gpu = spec.nvlink_GBps_per_direction
     aggregate = spec.domain_aggregate_GBps_bidirectional
     nic = spec.nic_GBps_per_direction
@@ -360,6 +378,12 @@ def spec_legend(spec: SystemSpec) -> str:
 
 def link_class_legend(spec: SystemSpec) -> str:
     """Which convention each column of the per-link-class table uses."""
+    if not has_figures(spec):
+        return (
+            "All bandwidths are one direction, GB = 1e9 B. algbw self incl. = size / time; link bw self "
+            "excl. = the bottleneck rank's link bytes / time (busbw); per class: the class's bottleneck rank "
+            f"bytes / time, agg = all bytes of the class / time. No spec: {spec.description or 'none given'}."
+        )
     nic = spec.nic_GBps_per_direction
     return (
         "All bandwidths are one direction, GB = 1e9 B. algbw self incl. = size / time (what the layer sees); "

@@ -117,7 +117,9 @@ def run_status_from_error(error: BaseException | None) -> RunStatus:
     """The RunStatus of a run that ended with ``error`` (None: it finished), by commbench's error types."""
     if error is None:
         return RunStatus()
-    text = " ".join(str(error).split())[:300] or type(error).__name__
+    # The first line only: a failed rank's error carries its whole traceback after it.
+    first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    text = " ".join(first.split())[:300] or type(error).__name__
     if isinstance(error, StoppedError):
         return RunStatus("interrupted", f"stopped by {signal_name(error.signum)}", error.signum)
     if isinstance(error, KeyboardInterrupt):

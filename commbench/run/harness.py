@@ -35,6 +35,7 @@ balanced_* columns), from which the report derives what the skew alone costs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -78,6 +79,9 @@ class Measured:
     seconds: np.ndarray  # float64 [ranks, samples]: one per timed iteration, or one per window
     wrong: int | None  # summed over ranks and checked outputs; None = not checked
     wrong_iters: int = 0  # checked outputs (iterations, the window's last) with something wrong on any rank
+    # float64 [ranks, calls]: host seconds from each timed call's start (its barrier, or the previous call's
+    # return inside a window) until the rank entered the call: what differs between ranks when one is late.
+    arrival: np.ndarray | None = None
 
 
 def check_label(backend: Backend, opts: RunOptions, timing: str = "iteration") -> str:
@@ -101,8 +105,9 @@ def run_jobs(
     """Run every job on ``backend_class``; returns (result rows, rank rows) on rank 0, empty lists elsewhere.
 
     ``sink(new_rows, new_rank_rows)`` is called on rank 0 with the rows of each (job, size, phase) as soon as
-    they are final. Raises VerificationError on every rank after the first job with wrong > 0. ``layout``
-    (from ``gather_layout``, a collective) is gathered here when not given.
+    they are final; rank rows carry ``job_index``, the position of their job in ``jobs``. Raises
+    VerificationError on every rank after the first job with wrong > 0. ``layout`` (from ``gather_layout``,
+    a collective) is gathered here when not given.
     """
     opts.check(comm.world_size)
     for job in jobs:
@@ -113,9 +118,12 @@ def run_jobs(
         layout = gather_layout(comm, opts)
     rows: list[dict] = []
     rank_rows: list[dict] = []
+    current = {"job_index": 0}
 
     def emit(row: dict, new_rank_rows: list[dict]) -> None:
         if comm.rank == 0:
+            # Which job of ``jobs`` a rank row came from: a flagged case is rerun from it (cli.acceptance).
+            new_rank_rows = [{**rank_row, **current} for rank_row in new_rank_rows]
             rows.append(row)
             rank_rows.extend(new_rank_rows)
             if sink is not None:
@@ -123,7 +131,8 @@ def run_jobs(
 
     backends = _BackendPerSetting(comm, backend_class)
     try:
-        for job in jobs:
+        for index, job in enumerate(jobs):
+            current["job_index"] = index
             backend = backends.get(job_backend_options(job, opts))
             run = _run_moe if isinstance(job, MoeJob) else _run_balanced
             maker = RowMaker(job, backend, layout, check_label(backend, opts, job.timing))
@@ -165,11 +174,12 @@ class _BackendPerSetting:
 
 def bench(comm: Any, backend: Backend, job: MoeJob | BalancedJob, phase: Phase, opts: RunOptions) -> Measured:
     """Warm up, time ``job.iters`` calls the job's way and check them (see the module docstring); every
-    rank's times and #wrong, gathered. ``opts.corrupt`` (the test hook) changes the last output on rank 0
-    before its full check."""
+    rank's times, arrivals and #wrong, gathered. ``opts.corrupt`` (the test hook) changes the last output on
+    rank 0 before its full check; ``opts.inject_delay`` (the other test hook) delays a rank's timed calls."""
     mode = check_label(backend, opts, job.timing)
     checking = mode in (*CHECK_MODES, CHECK_WINDOW_LAST)
     wrong: list[int] = []  # this rank's count per checked output
+    calls = _TimedCalls(phase, opts.delay_s(comm.rank))
     comm.heartbeat()
     with comm.guard(f"job {job.name!r} {phase.label}"):
         for _ in range(job.warmup):  # warm-up
@@ -177,29 +187,52 @@ def bench(comm: Any, backend: Backend, job: MoeJob | BalancedJob, phase: Phase, 
             phase.call()
             backend.synchronize()
         if job.timing == "window":  # timed loop
-            seconds, output = _timed_window(comm, backend, phase, job.iters, checking)
+            seconds, output = _timed_window(comm, backend, calls, job.iters, checking)
         else:
-            seconds, output = _timed_iterations(comm, backend, phase, job.iters, mode, wrong)
+            seconds, output = _timed_iterations(comm, backend, calls, job.iters, mode, wrong)
     if checking:
         if opts.corrupt == phase.corrupted_by and comm.rank == 0:
             phase.corrupt(output)
         wrong.append(phase.check.full(output))  # the last timed iteration, byte for byte
     comm.heartbeat()
-    gathered = comm.all_gather_object((seconds, wrong))
+    gathered = comm.all_gather_object((seconds, wrong, calls.arrivals))
     times = np.array([g[0] for g in gathered], dtype=np.float64)
+    arrival = np.array([g[2] for g in gathered], dtype=np.float64)
     if not checking:
-        return Measured(times, None)
+        return Measured(times, None, arrival=arrival)
     per_output = np.array([g[1] for g in gathered], dtype=np.int64).sum(axis=0)
-    return Measured(times, int(per_output.sum()), int(np.count_nonzero(per_output)))
+    return Measured(times, int(per_output.sum()), int(np.count_nonzero(per_output)), arrival)
+
+
+class _TimedCalls:
+    """The phase's timed calls on this rank: each call's arrival (host seconds from ``mark()`` until the
+    call begins) is recorded, after the injected delay (``--inject-delay``), which sleeps first."""
+
+    def __init__(self, phase: Phase, delay_s: float) -> None:
+        self.phase = phase
+        self.delay_s = delay_s
+        self.arrivals: list[float] = []
+        self._mark = time.perf_counter()
+
+    def mark(self) -> None:
+        """The start every rank shares: right after the barrier (or the previous call's return)."""
+        self._mark = time.perf_counter()
+
+    def __call__(self) -> Any:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self.arrivals.append(time.perf_counter() - self._mark)
+        return self.phase.call()
 
 
 def _timed_iterations(
-    comm: Any, backend: Backend, phase: Phase, iters: int, mode: str, wrong: list[int]
+    comm: Any, backend: Backend, calls: _TimedCalls, iters: int, mode: str, wrong: list[int]
 ) -> tuple[list[float], Any]:
     """``iters`` timed calls, each after its own poison and barrier: (seconds of each, the last output).
     Appends this rank's #wrong of every iteration but the last (the caller verifies that one in full) to
     ``wrong``. Modelled times replace the timer's."""
     checking = mode in CHECK_MODES
+    phase = calls.phase
     timers = [comm.timer() for _ in range(iters)]
     modelled: list[float | None] = []
     output = None
@@ -209,7 +242,8 @@ def _timed_iterations(
             backend.synchronize()
         comm.barrier()
         timer.start()
-        output = phase.call()
+        calls.mark()
+        output = calls()
         timer.stop(backend.synchronize)
         modelled.append(backend.modelled_seconds())
         if checking:
@@ -225,7 +259,7 @@ def _timed_iterations(
 
 
 def _timed_window(
-    comm: Any, backend: Backend, phase: Phase, iters: int, checking: bool
+    comm: Any, backend: Backend, calls: _TimedCalls, iters: int, checking: bool
 ) -> tuple[list[float], Any]:
     """One timer around ``iters`` back-to-back calls (nccl-tests' timed loop): ([window / iters], the last
     output). An emulated backend's modelled times are summed over the window's calls."""
@@ -238,7 +272,8 @@ def _timed_window(
     output = None
     timer.start()
     for _ in range(iters):
-        output = phase.call()
+        calls.mark()
+        output = calls()
         if backend.emulated:  # a class attribute: real backends read no modelled time inside the window
             modelled.append(backend.modelled_seconds())
         # The launcher's hang watchdog wants progress every 2 x timeout + 5 s, which a window of many slow
@@ -270,7 +305,12 @@ def _run_balanced(
         phase = alltoall_phase(comm, backend, int(size))
         measured = bench(comm, backend, job, phase, opts)  # warm-up, timed loop, verify
         row_bytes = pattern.stats["bytes_per_peer"]
-        emit(*maker.rows("alltoall", pattern.dispatch_bytes, row_bytes, measured.seconds, measured.wrong))
+        emit(
+            *maker.rows(
+                "alltoall", pattern.dispatch_bytes, row_bytes, measured.seconds, measured.wrong,
+                arrival=measured.arrival,
+            )
+        )  # fmt: skip
         failures += _failures(phase, measured, job)
     return failures
 
@@ -302,6 +342,7 @@ def _run_moe(
             measured.seconds,
             measured.wrong,
             pattern.expert_load,
+            arrival=measured.arrival,
         )
         if opts.imbalance_cost:
             held.append(made)

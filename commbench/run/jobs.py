@@ -33,6 +33,8 @@ TIMINGS = ("window", "iteration")
 # Benchmark-only (benchmarks/bench_check.py, never offered by the CLI): no poisoning, no verification at
 # all; rows say check "off" and #wrong n/a. The baseline the cost of checking is measured against.
 CHECK_OFF = "off"
+# --inject-delay: at most 10 s per call, so that a typo cannot stall a run for hours.
+MAX_INJECT_DELAY_S = 10.0
 
 
 def _check_repeats(name: str, warmup: int, iters: int, timing: str) -> None:
@@ -55,6 +57,7 @@ class MoeJob:
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
     timing: str = "iteration"  # TIMINGS: per-iteration checks and percentiles
+    window: int = 0  # which measurement window of its case (suite --repeat): 0, 1, ...
 
     def check(self, world_size: int) -> None:
         """UsageError unless the job can run on ``world_size`` ranks."""
@@ -87,6 +90,7 @@ class BalancedJob:
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
     timing: str = "window"  # TIMINGS: nccl-tests' default
+    window: int = 0  # which measurement window of its case (suite --repeat): 0, 1, ...
 
     def check(self, world_size: int) -> None:
         """UsageError unless every size can run on ``world_size`` ranks."""
@@ -115,6 +119,13 @@ class RunOptions:
     imbalance_cost: bool = False
     # How the timed iterations are verified (CHECK_MODES, or CHECK_OFF in benchmarks only).
     check_mode: str = "checksum"
+    # Test hook (--inject-delay RANK:US): (rank, seconds) pairs; that rank sleeps this long before each
+    # phase call of every timed iteration, inside the timer, so acceptance tests can plant a straggler.
+    inject_delay: tuple[tuple[int, float], ...] = ()
+
+    def delay_s(self, rank: int) -> float:
+        """The injected delay of ``rank`` before each timed call, in seconds (0: none)."""
+        return sum(seconds for delayed, seconds in self.inject_delay if delayed == rank)
 
     def check(self, world_size: int) -> None:
         """UsageError for an unknown corruption phase or check mode, or layout overrides that do not fit
@@ -123,6 +134,14 @@ class RunOptions:
             raise UsageError(f"unknown corrupt phase {self.corrupt!r}; choose dispatch or combine")
         if self.check_mode not in (*CHECK_MODES, CHECK_OFF):
             raise UsageError(f"unknown check mode {self.check_mode!r}; choose {' or '.join(CHECK_MODES)}")
+        for rank, seconds in self.inject_delay:
+            if not 0 <= rank < world_size:
+                raise UsageError(
+                    f"--inject-delay names rank {rank}, but ranks are 0..{world_size - 1}; pick one of them"
+                )
+            if not 0 < seconds <= MAX_INJECT_DELAY_S:
+                limit_us = MAX_INJECT_DELAY_S * 1e6
+                raise UsageError(f"--inject-delay {seconds * 1e6:g} us is out of range; use 1..{limit_us:g}")
         build_layout(world_size, self.ranks_per_domain, self.ranks_per_host)
 
 

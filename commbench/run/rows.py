@@ -138,10 +138,11 @@ class RowMaker:
         seconds: np.ndarray,
         wrong: int | None,
         expert_load: np.ndarray | None = None,
+        arrival: np.ndarray | None = None,
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """(result row, rank rows) of one phase: ``matrix`` its [src][dst] bytes, ``seconds`` [ranks,
         samples] every rank's timed iterations or window, ``wrong`` the sum over ranks (None: not checked),
-        ``expert_load`` the job's (MoE)."""
+        ``expert_load`` the job's (MoE), ``arrival`` [ranks, calls] each timed call's arrival in seconds."""
         case = self.case()
         layout, backend = self.layout, self.backend
         knobs = row_knobs(backend, self.job)
@@ -157,6 +158,7 @@ class RowMaker:
             "warmup": self.job.warmup,
             "iters": self.job.iters,
             "timing": self.job.timing,
+            "window": self.job.window,
             "row_bytes": int(row_bytes),
             **byte_columns(matrix),
             "num_domains": layout.num_domains,
@@ -186,6 +188,7 @@ class RowMaker:
                 "backend": backend.label,
                 **{key: case[key] for key in RANK_CASE_KEYS},
                 "size_bytes": None if isinstance(self.job, MoeJob) else row["size_bytes"],
+                "window": self.job.window,
                 "rank": rank,
                 "domain": int(layout.domain_of_rank[rank]),
                 "host": int(layout.host_of_rank[rank]),
@@ -199,5 +202,9 @@ class RowMaker:
                 record[f"{name}_recv_bytes"] = int(into[rank])
             record["time_us_p50"] = float(np.percentile(seconds[rank], 50) * 1e6)
             record["phase_time_us_p50"] = times["time_us_p50"]
+            # The rank's lateness (harness.Measured.arrival): the p50 over its timed calls, so that one
+            # descheduled call does not make a rank late.
+            late = arrival[rank] if arrival is not None and arrival.size else None
+            record["arrival_us_p50"] = float(np.percentile(late, 50) * 1e6) if late is not None else None
             rank_rows.append(record)
         return row, rank_rows

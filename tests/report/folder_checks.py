@@ -7,16 +7,20 @@ import hashlib
 import io
 import json
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pandas as pd
 
 from commbench.report import read_meta, read_rows
 from commbench.report.folder import MARKER
 from commbench.report.reading import RANK_COLUMNS, RESULT_COLUMNS
+from commbench.report.verdict import read_verdict_json
 
 KNOWN_FILES = {
     MARKER,
     "meta.json",
+    "verdict.json",
+    "junit.xml",
     "results.csv",
     "ranks.csv",
     "results.parquet",
@@ -53,6 +57,10 @@ def assert_folder_readable(folder: Path) -> set[str]:
             read_rows(folder / name, required)
     if "results.json" in names:
         json.loads((folder / "results.json").read_text())
+    if "verdict.json" in names:
+        read_verdict_json(folder / "verdict.json")
+    if "junit.xml" in names:
+        assert ElementTree.parse(folder / "junit.xml").getroot().tag == "testsuites"
     if "results.parquet" in names:
         pd.read_parquet(folder / "results.parquet")
     if "summary.md" in names:

@@ -34,7 +34,7 @@ RESULT_KEYS = {
     "expert_max_mean", "maxvio", "expert_cv", "num_domains", "ranks_per_domain", "layout_source",
     "nvlink_bytes", "scaleout_bytes", "nvlink_bottleneck_rank", "nvlink_bottleneck_dir",
     "nvlink_bottleneck_bytes", "scaleout_bottleneck_rank", "scaleout_bottleneck_dir",
-    "scaleout_bottleneck_bytes", "knobs", "check", "timing",
+    "scaleout_bottleneck_bytes", "knobs", "check", "timing", "window",
 }  # fmt: skip
 IMBALANCE_KEYS = {"balanced_size_bytes", "balanced_total_bytes", "balanced_time_us_p50"}
 BYTE_KEYS = (

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from xml.etree import ElementTree
 
 import pytest
 
@@ -41,6 +42,12 @@ def _check_incomplete_report(out, reason):
     assert "INCOMPLETE" in (out / "summary.md").read_text()
     rows = (out / "results.csv").read_text().splitlines()
     assert len(rows) >= 3  # the header and the two sizes that finished before the signal
+    # The verdict of a stopped run is never silent: INCOMPLETE (stopped) or FAIL (a rank died), with why.
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["status"] in ("INCOMPLETE", "FAIL"), verdict["status"]
+    assert verdict["run"]["state"] != "complete" and verdict["reason"]
+    suites = ElementTree.parse(out / "junit.xml").getroot()
+    assert suites.tag == "testsuites" and len(suites) >= 1
 
 
 @pytest.mark.parametrize(

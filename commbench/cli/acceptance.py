@@ -1,0 +1,224 @@
+"""The acceptance verdict of ``run`` and ``suite``: the spec chosen from the hardware, the limits and
+baseline checked before launch, slow ranks confirmed by rerunning their cases inside the launch, and the
+judge that turns what finished into verdict.json and junit.xml.
+
+Slow ranks: every rank records, per timed call, its arrival (host time from the call's common start until it
+entered the call: ``run.harness``); the report's outlier rule (``report.outliers``) runs over each case's
+per-rank p50 arrival. A flagged case is rerun ``spread.confirm_reruns`` times in the same launch (all ranks
+take part; nothing of the reruns is written to results.csv) and the flag is FAIL only when it repeats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from commbench.plain import is_missing, knobs_text
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from commbench.inputs.layout import Layout
+    from commbench.inputs.limits import Limits
+    from commbench.inputs.specs import SystemSpec
+    from commbench.report.outliers import CaseSpread, SpreadOutcome
+    from commbench.report.verdict import RunStatus, Verdict
+    from commbench.run.jobs import Job, RunOptions
+
+# Backends whose figures are GPU fabric figures; on every other one (gloo, shmem-emu, mock, sim) bandwidth
+# is not judged: the verdict checks data, completion, the harness and the rank spread only.
+GPU_BACKENDS = ("nccl", "nvshmem")
+ARRIVAL_COLUMN = "arrival_us_p50"
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """What a launch is judged by (pickled to every rank): the spec whose limits apply (None: no bandwidth
+    judged), how it was chosen, the user's limits file and overrides, an optional baseline file."""
+
+    spec_name: str | None
+    spec_how: str
+    limits_file: str | None = None
+    limit_overrides: tuple[str, ...] = ()
+    baseline_file: str | None = None
+    baseline_warn_pct: float = 5.0
+    baseline_fail_pct: float = 10.0
+
+    def limits(self) -> Limits:
+        from commbench.inputs.limits import load_limits
+
+        return load_limits(self.spec_name, self.limits_file, self.limit_overrides)
+
+    def baseline(self) -> dict[str, Any] | None:
+        from commbench.report.baseline import read_baseline
+
+        return read_baseline(self.baseline_file) if self.baseline_file else None
+
+    def check(self) -> None:
+        """UsageError (one line) for a bad limits file, override or baseline: before anything launches."""
+        self.limits()
+        self.baseline()
+        if not 0 <= self.baseline_warn_pct <= self.baseline_fail_pct:
+            from commbench.errors import UsageError
+
+            raise UsageError(
+                f"--baseline-warn-pct {self.baseline_warn_pct:g} must be <= --baseline-fail-pct "
+                f"{self.baseline_fail_pct:g}"
+            )
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec_name,
+            "how_chosen": self.spec_how,
+            "limits_file": self.limits_file,
+            "limit_overrides": list(self.limit_overrides),
+            "baseline_file": self.baseline_file,
+            "baseline_warn_pct": self.baseline_warn_pct,
+            "baseline_fail_pct": self.baseline_fail_pct,
+        }
+
+
+def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec, str, str | None]:
+    """(the spec the report compares with, how it was chosen, the spec the verdict judges by). No --spec:
+    detected from the GPUs (``inputs.spec_choice``); no GPU or an unknown one: ``no_spec``, no %spec. A run
+    on a CPU backend never judges bandwidth, whatever --spec says (its figures are not a GPU fabric's)."""
+    import torch
+
+    from commbench.hardware.probes import probe_gpus
+    from commbench.inputs.spec_choice import choose_spec, facts_from_probe
+    from commbench.inputs.specs import load_spec, no_spec
+
+    facts = facts_from_probe(probe_gpus(), torch.cuda.device_count())
+    choice = choose_spec(facts, spec_text)
+    spec = load_spec(choice.name) if choice.name else no_spec(choice.how)
+    if backend not in GPU_BACKENDS:
+        what = "" if choice.name is None else f"; the report compares with {choice.name} as a what-if"
+        return spec, f"{backend} run on CPU: bandwidth not judged ({choice.how}){what}", None
+    return spec, choice.how, choice.name
+
+
+def rank_names(layout: Layout) -> dict[int, str]:
+    """rank -> "host h2, GPU 1 [0000:19:00], NVLink domain 0" for the verdict's messages."""
+    names = {}
+    for rank, place in enumerate(layout.places):
+        where = (
+            f"GPU {place.device}" + (f" [{place.bus_id}]" if place.bus_id else "")
+            if place.device >= 0
+            else "CPU"
+        )
+        domain = int(layout.domain_of_rank[rank]) if rank < layout.world_size else -1
+        names[rank] = f"host {place.host}, {where}, pid {place.pid}, NVLink domain {domain}"
+    return names
+
+
+def _case_label(record: dict[str, Any]) -> str:
+    parts = [str(record.get("pattern") or "")]
+    size = record.get("size_bytes")
+    if record.get("phase") == "alltoall" and not is_missing(size):
+        parts.append(f"{int(size)} B")
+    else:
+        parts += [str(record.get("skew") or ""), str(record.get("phase") or "")]
+    knobs = record.get("knobs")
+    if isinstance(knobs, dict) and knobs:
+        parts.append(f"[{knobs_text(knobs)}]")
+    window = record.get("window")
+    if not is_missing(window) and int(window) > 0:  # suite --repeat: each window is judged on its own
+        parts.append(f"window {int(window)}")
+    return " ".join(part for part in parts if part)
+
+
+def arrival_spreads(rank_rows: Sequence[dict[str, Any]], limits: Limits) -> list[CaseSpread]:
+    """The outlier rule over each case's per-rank p50 arrival (us)."""
+    import pandas as pd
+
+    from commbench.report.outliers import spread_by_case
+
+    if not rank_rows:
+        return []
+    frame = pd.DataFrame([{**row, "case": _case_label(row)} for row in rank_rows])
+    return spread_by_case(frame, ARRIVAL_COLUMN, limits.spread, metric="arrival", case_columns=("case",))
+
+
+def _rerun_jobs(jobs: Sequence[Job], rank_rows: Sequence[dict[str, Any]], cases: set[str]) -> list[Job]:
+    """The jobs that measure ``cases`` again: a balanced job cut to the flagged sizes, an MoE job whole."""
+    wanted: dict[int, list[int]] = {}
+    for row in rank_rows:
+        if _case_label(row) in cases:
+            sizes = wanted.setdefault(int(row["job_index"]), [])
+            size = row.get("size_bytes")
+            if row.get("phase") == "alltoall" and not is_missing(size) and int(size) not in sizes:
+                sizes.append(int(size))
+    reruns = []
+    for index, sizes in wanted.items():
+        job = jobs[index]
+        reruns.append(replace(job, sizes=sizes) if job.kind == "balanced" else job)
+    return reruns
+
+
+def confirm_slow_ranks(
+    comm: Any, jobs: Sequence[Job], opts: RunOptions, backend_class: type, layout: Layout,
+    rank_rows: Sequence[dict[str, Any]], acceptance: Acceptance,
+) -> list[SpreadOutcome]:  # fmt: skip
+    """Collective: rank 0 judges the arrival spread of every case; every rank reruns the flagged cases
+    ``confirm_reruns`` times; rank 0 returns one outcome per case (others: [])."""
+    from commbench.report.outliers import confirm, needs_rerun
+    from commbench.run.harness import run_jobs
+
+    plan: tuple[list[str], list[Job], int] | None = None
+    firsts: list[CaseSpread] = []
+    if comm.rank == 0:
+        limits = acceptance.limits()
+        firsts = arrival_spreads(rank_rows, limits)
+        flagged = {spread.case for spread in needs_rerun(firsts, limits.spread)}
+        jobs_again = _rerun_jobs(jobs, rank_rows, flagged) if flagged else []
+        plan = (sorted(flagged), jobs_again, limits.spread.confirm_reruns if jobs_again else 0)
+    flagged_cases, jobs_again, reruns = comm.all_gather_object(plan)[0]
+    rerun_spreads: dict[str, list[CaseSpread]] = {case: [] for case in flagged_cases}
+    rerun_opts = replace(opts, imbalance_cost=False)  # only the flagged phases themselves
+    for _ in range(reruns):
+        _, again = run_jobs(comm, jobs_again, rerun_opts, backend_class, None, layout)
+        if comm.rank == 0:
+            for spread in arrival_spreads(again, acceptance.limits()):
+                if spread.case in rerun_spreads:
+                    rerun_spreads[spread.case].append(spread)
+    if comm.rank != 0:
+        return []
+    rule = acceptance.limits().spread
+    return [confirm(first, rerun_spreads.get(first.case, []), rule) for first in firsts]
+
+
+def make_judge(
+    acceptance: Acceptance,
+    run: RunStatus,
+    outcomes: Sequence[SpreadOutcome] = (),
+    names: dict[int, str] | None = None,
+) -> Any:
+    """The report's ``Judge``: (results frame, rank frame, meta) -> the Verdict of this run."""
+
+    def judge(frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any]) -> Verdict:
+        from commbench.inputs.specs import load_spec
+        from commbench.report.verdict import Element, build_verdict
+
+        limits = acceptance.limits()
+        spec = load_spec(acceptance.spec_name) if acceptance.spec_name else None
+        extra = []
+        baseline = acceptance.baseline()
+        if baseline is not None and not frame.empty:
+            from commbench.report.compare import compare_to_baseline
+
+            findings = compare_to_baseline(
+                frame, baseline, acceptance.baseline_warn_pct, acceptance.baseline_fail_pct
+            )
+            for finding in findings:
+                fields = finding.element()
+                extra.append(
+                    Element(
+                        group="baseline", name=fields["name"], status=fields["status"],
+                        message=fields["message"], measured=fields["value"], limit=fields["limit"],
+                        unit=fields["unit"] or "", remedy=fields["remedy"] or "",
+                    )
+                )  # fmt: skip
+        return build_verdict(frame, limits, spec, acceptance.spec_how, run, outcomes, names or {}, extra)
+
+    return judge

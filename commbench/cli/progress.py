@@ -1,0 +1,67 @@
+"""Progress lines of a launch on stderr (rank 0): one per finished phase, with elapsed time and an estimate
+of what is left."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    from commbench.inputs.specs import SystemSpec
+
+
+class Progress:
+    """'[3/7] deepseek-v3 zipf:1.2 dispatch ...' lines on stderr after each finished phase (rank 0)."""
+
+    def __init__(self, total: int, spec: SystemSpec, swept_keys: tuple[str, ...] = ()) -> None:
+        self.total = total
+        self.spec = spec
+        self.done = 0
+        self.swept_keys = swept_keys
+        self.started = time.monotonic()
+
+    def _clock(self) -> str:
+        """Elapsed time and what is left, estimated from the phases so far (they differ in size, so it is a
+        rough figure that settles as the run goes)."""
+        elapsed = time.monotonic() - self.started
+        left = elapsed / self.done * (self.total - self.done) if self.done else 0.0
+        return f"{_duration(elapsed)} elapsed, ~{_duration(left)} left"
+
+    def _setting(self, row: dict[str, Any]) -> str:
+        """The swept knobs of a row (effective values) for its progress line, e.g. " [chunk_rows=4]"."""
+        knobs = row.get("knobs") or {}
+        prefix = f"{row.get('backend_name')}_"  # sim and mock report their options as "<name>_<option>"
+        values = {key: knobs.get(key, knobs.get(prefix + key)) for key in self.swept_keys}
+        shown = [f"{key}={value}" for key, value in values.items() if value is not None]
+        return f" [{' '.join(shown)}]" if shown else ""
+
+    def __call__(self, rows: list[dict[str, Any]]) -> None:
+        from commbench.report import format_bandwidth, results_frame
+        from commbench.report.tables import fmt_wrong
+
+        if not rows:
+            return
+        for row, record in zip(rows, results_frame(rows, self.spec).to_dict("records"), strict=True):
+            self.done += 1
+            phase = record.get("phase")
+            case = "alltoall" if phase == "alltoall" else f"{record.get('skew')} {phase}"
+            window = f" window {row['window']}" if row.get("window") else ""
+            click.echo(
+                f"[{self.done}/{self.total}] {record.get('pattern')} {case}{window}{self._setting(row)}: "
+                f"size {int(record['size_bytes'])} B, {record['time_us_p50']:.1f} us, "
+                f"busbw {format_bandwidth(record['busbw_GBps'])} GB/s, "
+                f"#wrong {fmt_wrong(record.get('wrong'))} ({self._clock()})",
+                err=True,
+            )
+
+
+def _duration(seconds: float) -> str:
+    """12 s, 3 min 05 s, 1 h 02 min."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60:02d} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60:02d} min"

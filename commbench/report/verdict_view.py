@@ -1,0 +1,98 @@
+"""The verdict as the top of summary.md and report.html: overall status, reason, spec, and every check that
+did not pass (then the passed ones, counted by group)."""
+
+from __future__ import annotations
+
+import html
+from collections import Counter
+from typing import Any
+
+from commbench.report.tables import format_table
+from commbench.report.verdict import Element, Verdict
+
+_HEADERS = ["status", "group", "check", "measured", "limit", "message", "remedy"]
+_ORDER = {"FAIL": 0, "WARN": 1, "SKIP": 2, "PASS": 3}
+NO_VERDICT = (
+    "No verdict: this folder has no verdict.json (written by an older version, or by a ReportWriter given no "
+    "judge); nothing here was judged."
+)
+
+
+def _cell(value: Any, unit: str = "") -> str:
+    if value is None or value == "":
+        return "-"
+    text = f"{value:g}" if isinstance(value, float) else str(value)
+    return f"{text} {unit}".strip() if isinstance(value, (int, float)) else text
+
+
+def _rows(elements: list[Element]) -> list[list[str]]:
+    """FAIL and WARN one per row; SKIPs with the same group and reason folded into one row (a CPU run skips
+    every bandwidth check for the same reason)."""
+    ordered = sorted(elements, key=lambda element: _ORDER.get(element.status, 9))
+    rows, skipped = [], Counter()
+    names: dict[tuple[str, str], str] = {}
+    for e in ordered:
+        if e.status == "SKIP":
+            reason = e.message.replace(e.name, "each case") if e.name else e.message
+            skipped[(e.group, reason)] += 1
+            names.setdefault((e.group, reason), e.name)
+            continue
+        rows.append(
+            [e.status, e.group, e.name, _cell(e.measured, e.unit), _cell(e.limit), e.message, e.remedy or "-"]
+        )
+    for (group, reason), count in skipped.items():
+        name = names[(group, reason)] if count == 1 else f"{count} checks"
+        rows.append(["SKIP", group, name, "-", "-", reason, "-"])
+    return rows
+
+
+def _spec_line(verdict: Verdict) -> str:
+    name = verdict.spec_name or "none"
+    how = f" ({verdict.spec_how})" if verdict.spec_how else ""
+    return f"Spec judged against: {name}{how}."
+
+
+def _passed_line(verdict: Verdict) -> str:
+    passed = Counter(e.group for e in verdict.elements if e.status == "PASS")
+    if not passed:
+        return "No check passed."
+    return "Passed: " + ", ".join(f"{count} {group}" for group, count in passed.items()) + "."
+
+
+def verdict_markdown(verdict: Verdict | None) -> list[str]:
+    """summary.md's opening lines (a list of lines, blank-line separated)."""
+    if verdict is None:
+        return ["## Verdict: none", "", NO_VERDICT, ""]
+    counts = verdict.counts()
+    tally = ", ".join(f"{counts[status]} {status}" for status in ("FAIL", "WARN", "PASS", "SKIP"))
+    lines = [
+        f"## Verdict: {verdict.status}",
+        "",
+        f"**{verdict.reason}** ({tally}; exit code {verdict.exit_code})",
+    ]
+    lines += ["", _spec_line(verdict), "", f"Limits: {verdict.limits.get('source', '-')}.", ""]
+    shown = [e for e in verdict.elements if e.status != "PASS"]
+    if shown:
+        lines += [format_table(_HEADERS, _rows(shown), "markdown", text_columns=set(range(7))), ""]
+    lines += [_passed_line(verdict), ""]
+    return lines
+
+
+def verdict_html(verdict: Verdict | None) -> list[str]:
+    """report.html's opening blocks."""
+    esc = html.escape
+    if verdict is None:
+        return ['<h2 class="verdict">Verdict: none</h2>', f"<p>{esc(NO_VERDICT)}</p>"]
+    counts = verdict.counts()
+    tally = ", ".join(f"{counts[status]} {status}" for status in ("FAIL", "WARN", "PASS", "SKIP"))
+    css_class = "stopped" if verdict.status == "INCOMPLETE" else esc(verdict.status)
+    blocks = [
+        f'<h2 class="verdict {css_class}">Verdict: {esc(verdict.status)}</h2>',
+        f"<p><b>{esc(verdict.reason)}</b> ({esc(tally)}; exit code {verdict.exit_code})</p>",
+        f"<p>{esc(_spec_line(verdict))} Limits: {esc(str(verdict.limits.get('source', '-')))}.</p>",
+    ]
+    shown = [e for e in verdict.elements if e.status != "PASS"]
+    if shown:
+        blocks.append(format_table(_HEADERS, _rows(shown), "html", text_columns=set(range(7))))
+    blocks.append(f"<p>{esc(_passed_line(verdict))}</p>")
+    return blocks
