@@ -57,6 +57,7 @@ class LaunchSettings:
     limits_file: str | None = None  # --limits FILE: acceptance limits over the spec's shipped ones
     limit_overrides: tuple[str, ...] = ()  # --limit KEY=VALUE
     baseline_file: str | None = None  # --baseline FILE: each case also judged against it
+    resume: str | None = None  # --resume DIR: continue that interrupted run in its own folder
 
     @classmethod
     def from_params(cls, params: dict[str, Any], quick: bool = False) -> LaunchSettings:
@@ -131,6 +132,7 @@ class LaunchPlan:
     total_steps: int
     swept_keys: tuple[str, ...] = ()  # knobs a --backend-option sweep varies (named in progress lines)
     out_claim: str | None = None  # the token of the launcher's claim on out_dir (report.claim_out_dir)
+    resume: bool = False  # out_dir is an interrupted run's folder: skip its finished cases, append
     acceptance: Acceptance | None = None  # what the verdict judges by (None: no verdict, unit tests)
 
 
@@ -164,15 +166,6 @@ def launch(
     knob_settings = sweep.settings()
     if knob_settings != [{}]:  # setting outermost: each setting's backend is built once
         jobs = [replace(job, backend_options=dict(setting)) for setting in knob_settings for job in jobs]
-    out_dir, out_claim = _prepare_out(settings.out)
-    total = sum(_phases(job) for job in jobs)
-    if dist.is_rank0_process():
-        swept = f"; {len(knob_settings)} knob settings ({sweep.describe()})" if sweep.swept else ""
-        click.echo(
-            f"commbench {command}: backend {reason}; {world} ranks; spec {system.name} ({spec_how}){swept}; "
-            f"{total} cases; report folder {out_dir}",
-            err=True,
-        )
     shared = {"world_size": world, "backend": backend}
     if option_pairs is not None:
         shared.update(backend_options={**fixed, **sweep.swept}, knob_settings=len(knob_settings))
@@ -207,6 +200,19 @@ def launch(
         )
     meta = _run_meta(command, {**args, **shared}, reason)
     meta["acceptance"] = acceptance.to_meta()
+    if settings.resume:
+        out_dir, out_claim, meta, total = _prepare_resume(settings, command, meta, jobs)
+    else:
+        out_dir, out_claim = _prepare_out(settings.out)
+        total = sum(_phases(job) for job in jobs)
+    if dist.is_rank0_process():
+        swept = f"; {len(knob_settings)} knob settings ({sweep.describe()})" if sweep.swept else ""
+        resumed = " (resumed: its finished cases are skipped)" if settings.resume else ""
+        click.echo(
+            f"commbench {command}: backend {reason}; {world} ranks; spec {system.name} ({spec_how}){swept}; "
+            f"{total} cases; report folder {out_dir}{resumed}",
+            err=True,
+        )
     token = out_claim.token if out_claim is not None else None
     plan = LaunchPlan(
         jobs,
@@ -218,6 +224,7 @@ def launch(
         tuple(sweep.swept),
         out_claim=token,
         acceptance=acceptance,
+        resume=bool(settings.resume),
     )
     try:
         dist.launch(world, launch_worker, (plan,), backend, settings.timeout_s)
@@ -360,6 +367,31 @@ def _with_report_layout(options: dict[str, Any], settings: LaunchSettings) -> di
     return merged
 
 
+def _prepare_resume(
+    settings: LaunchSettings, command: str, meta: dict[str, Any], jobs: list[Job]
+) -> tuple[str, OutDirClaim | None, dict[str, Any], int]:
+    """--resume DIR on rank 0: the folder checked (an INCOMPLETE run of this command with these options)
+    and taken over; (folder, claim, its meta.json for this run, phases left). Other ranks: (folder, None,
+    meta, 0); rank 0 tells them the jobs left inside the launch."""
+    from commbench.cli.resume import check_same_run, read_interrupted, remaining_jobs, resumed_meta
+    from commbench.errors import UsageError
+    from commbench.report.folder import take_over_out_dir
+    from commbench.run.dist import is_rank0_process
+
+    folder = str(settings.resume)
+    if settings.out:
+        raise UsageError("--resume DIR writes into DIR: leave out --out")
+    if not is_rank0_process():
+        return folder, None, meta, 0
+    saved, results = read_interrupted(folder)
+    check_same_run(folder, saved, command, meta["args"])
+    left, kept = remaining_jobs(jobs, results)
+    if not left:
+        raise UsageError(f"--resume {folder}: every case already finished; render it with commbench report")
+    merged = {**resumed_meta(saved, kept), **{key: meta[key] for key in ("argv", "command", "acceptance")}}
+    return folder, take_over_out_dir(folder), merged, sum(_phases(job) for job in left)
+
+
 def _prepare_out(out: str | None) -> tuple[str, OutDirClaim | None]:
     """Claim (on rank 0) the report folder before launching: created exclusively, or an existing empty one
     claimed by its marker, so two runs given the same --out cannot both take it (UsageError for the
@@ -408,6 +440,11 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
 
     backend_class = get_backend(plan.options.backend)
     layout = gather_layout(comm, plan.options)  # collective: every rank's place
+    if plan.resume:  # only rank 0 can read the folder (other hosts may not see it): it says what is left
+        from commbench.cli.resume import read_interrupted, remaining_jobs
+
+        left = remaining_jobs(plan.jobs, read_interrupted(plan.out_dir)[1])[0] if comm.rank == 0 else None
+        plan = replace(plan, jobs=comm.all_gather_object(left)[0])
     if comm.rank != 0:
         run_jobs(comm, plan.jobs, plan.options, backend_class, None, layout)
         if plan.acceptance is not None:
@@ -425,7 +462,8 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
     if (nccl_errors := applied()) is not None:  # the TORCH_NCCL_* error handling in effect, and who set it
         env["nccl_error_handling"] = nccl_errors.to_meta()
     meta = {**plan.meta, "env": env, "topology": layout.to_meta()}
-    writer = ReportWriter(plan.out_dir, meta, plan.spec, plan.out_claim)  # adds the spec to meta.json
+    # Adds the spec to meta.json; a resumed run keeps the rows already in the folder.
+    writer = ReportWriter(plan.out_dir, meta, plan.spec, plan.out_claim, resume=plan.resume)
     click.echo(f"commbench: topology: {layout.describe()}", err=True)
     progress = Progress(plan.total_steps, plan.spec, plan.swept_keys)
     names = rank_names(layout)

@@ -298,6 +298,14 @@ def acceptance_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+RESUME = click.option(
+    "--resume",
+    type=click.Path(file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="Continue the interrupted run whose report folder is DIR (its meta.json says INCOMPLETE), with the "
+    "same command and options: the cases it finished are skipped, the rest appended to its files.",
+)
 OUT = click.option(
     "--out",
     type=click.Path(file_okay=False),

@@ -53,6 +53,7 @@ def _backend_option(func: Any) -> Any:
 @opt.TIMING
 @opt.INJECT_DELAY
 @opt.acceptance_options
+@opt.RESUME
 @opt.OUT
 @click.option(
     "--corrupt",
@@ -102,7 +103,10 @@ def run(
     corrupt: str | None,
     **params: Any,
 ) -> None:
-    """Run one pattern: a model's dispatch + combine, or a balanced all-to-all size sweep."""
+    """Run one pattern: a model's dispatch + combine, or a balanced all-to-all size sweep.
+
+    Ends with a verdict (verdict.json, junit.xml, the last console line). Exit code: 0 PASS or WARN, 1 FAIL,
+    2 could not run, 3 wrong data, 4 a rank died or timed out."""
     settings = LaunchSettings.from_params(params)
     moe = MoeInputs.from_params(params)
     world = settings.world_size
@@ -181,6 +185,7 @@ def run(
 @opt.TIMING
 @opt.INJECT_DELAY
 @opt.acceptance_options
+@opt.RESUME
 @opt.OUT
 @opt.layout_options
 @opt.imbalance_cost_option(default=True)

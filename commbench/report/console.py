@@ -16,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from commbench.inputs.specs import NO_SPEC_NAME
 from commbench.plain import is_missing
 from commbench.report.frame import average_bus_bandwidth, balanced_rows
 from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
@@ -288,7 +289,7 @@ def _first_line(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     env_versions = (meta.get("env") or {}).get("versions") or {}
     versions = " ".join(f"{k} {v}" for k, v in env_versions.items() if k in ("torch", "nccl") and v)
     backends = ", ".join(dict.fromkeys(frame["backend"].astype(str))) if "backend" in frame else "?"
-    emulated = " (EMULATED timings: not hardware figures)" if any_emulated(frame) else ""
+    emulated = " (EMULATED: not GPU fabric figures)" if any_emulated(frame) else ""
     return (
         f"# commbench{f' version {version}' if version else ''}{f' ({versions})' if versions else ''}: "
         f"backend {backends}{emulated}; {fmt_int(_row_value(frame, 'world_size'))} ranks; "
@@ -377,11 +378,16 @@ def moe_table(frame: pd.DataFrame) -> str:
     if not frame.empty:
         first = frame.iloc[0]
         backends = ", ".join(dict.fromkeys(frame["backend"].astype(str))) if "backend" in frame else "?"
-        emulated = " (EMULATED timings)" if any_emulated(frame) else ""
+        emulated = " (EMULATED: not GPU fabric figures)" if any_emulated(frame) else ""
+        spec_name = fmt_text(first.get("spec_name"))
+        spec_text = (
+            "none (no %spec)"
+            if spec_name == NO_SPEC_NAME
+            else f"{spec_name} {fmt_text(first.get('spec_GBps'))} GB/s per GPU per direction"
+        )
         lines.append(
             f"# MoE phases: backend {backends}{emulated}; ranks: {fmt_int(first.get('world_size'))}; "
-            f"spec: {fmt_text(first.get('spec_name'))} {fmt_text(first.get('spec_GBps'))} GB/s per GPU "
-            "per direction"
+            f"spec: {spec_text}"
         )
         lines += _mode_lines(frame, TIMING_TIME)
         lines.append("# time(us) = the mean; algbw, busbw and %spec from p50(us); GB = 1e9 B; see summary.md")

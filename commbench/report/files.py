@@ -132,9 +132,12 @@ class ReportWriter:
         meta: dict[str, Any],
         spec: SystemSpec | None = None,
         claim: str | None = None,
+        resume: bool = False,
     ) -> None:
         self.spec = spec if spec is not None else spec_from_meta(meta)
         own_claim: OutDirClaim | None = None
+        if resume and claim is None:
+            raise ValueError("resume needs the claim of the run taking the folder over")
         if claim is None:
             own_claim = claim_out_dir(out_dir)
             self.out_dir = own_claim.path
@@ -152,6 +155,14 @@ class ReportWriter:
         self._ranks = CsvAppender(self.out_dir / "ranks.csv")
         self._rows: list[dict[str, Any]] = []
         self._rank_rows: list[dict[str, Any]] = []
+        if resume:  # --resume: the interrupted run's rows stay, new ones are appended after them
+            for appender, rows, name, columns in (
+                (self._results, self._rows, "results.csv", RESULT_COLUMNS),
+                (self._ranks, self._rank_rows, "ranks.csv", RANK_COLUMNS),
+            ):
+                appender.continue_file()
+                if (self.out_dir / name).exists():
+                    rows.extend(read_rows(self.out_dir / name, columns).to_dict("records"))
 
     def _guarded(self, write: Any, *args: Any) -> None:
         """Run one write; the first failure is remembered, and every later write refused with it."""

@@ -20,6 +20,7 @@ file already in the folder stays whole.
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
 import os
 import secrets
@@ -120,6 +121,16 @@ class CsvAppender:
         self.columns: list[str] = []
         self.records: list[dict[str, Any]] = []
 
+    def continue_file(self) -> None:
+        """Take up an existing file (``--resume``): its header and rows, as text, so that a later rewrite
+        (new columns) writes the old rows back as they were."""
+        if not self.path.exists():
+            return
+        with open(self.path, newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle)
+            self.records = [dict(row) for row in reader]
+            self.columns = list(reader.fieldnames or [])
+
     def append(self, records: list[dict[str, Any]]) -> None:
         if not records:
             return
@@ -206,6 +217,18 @@ def check_claim(out_dir: str | os.PathLike[str], token: str) -> Path:
             "or was replaced); pass a new --out folder"
         )
     return path
+
+
+def take_over_out_dir(out_dir: str | os.PathLike[str]) -> OutDirClaim:
+    """Claim the folder of an interrupted run for the run that resumes it (``--resume``): its marker gets
+    this run's token (a rename: the last taker wins, and the run it replaced stops at its next write).
+    UsageError for a folder commbench did not write."""
+    path = Path(out_dir)
+    if claim_token(path) is None:
+        raise UsageError(f"{str(path)!r} has no {MARKER} marker: not a report folder commbench wrote")
+    token = secrets.token_hex(16)
+    write_atomic(path / MARKER, token + "\n")
+    return OutDirClaim(path, token, created=False)
 
 
 def claim_out_dir(out_dir: str | os.PathLike[str]) -> OutDirClaim:

@@ -98,8 +98,17 @@ Conventions
   counts its failed checks, one per rank and size).
 - maxvio = (max expert load - mean) / mean over experts; expert_cv = std / mean of expert loads;
   expert_max_mean = max / mean.
-- Backends marked "emulated" do not measure the real interconnect (mock, simulators, CPU emulators): their
-  times and bandwidths are not hardware figures."""
+- arrival_us_p50 (ranks.csv): per rank, the p50 over its timed calls of the host time from the call's
+  common start (the barrier before it, or the previous call's return inside a window) until the rank
+  entered the call. A rank that is late (host jitter, a slow process, --inject-delay) has a large arrival
+  while its peers wait inside the call; the verdict's slow-rank rule judges this column, not end-to-end
+  times, which a late rank makes alike on every rank. It does not see a slow link (the data is already in
+  flight): the pairwise link test does.
+- No spec (a CPU run, or a GPU the catalogue does not know, unless --spec names one): the report has no
+  %spec column and no spec line; its figures are this host's memory and loopback, not a GPU fabric.
+- Rows marked "emulated" do not measure a GPU fabric: mock and sim (models), shmem-emu (an emulator), and
+  every row measured on CPU ranks (gloo stands in for NCCL: real data moved and verified, but through this
+  host's memory and loopback). Their times and bandwidths are not GPU fabric figures."""
 
 CLASS_SUFFIXES = ("GBps", "spec_GBps", "pct_spec", "agg_GBps", "agg_spec_GBps", "agg_pct_spec")
 # Columns results_frame adds (always recomputed, so a re-render never trusts stale saved values).

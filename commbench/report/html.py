@@ -103,6 +103,11 @@ def average_text(frame: pd.DataFrame) -> str | None:
     return f"Avg bus bandwidth (balanced all-to-all only, busbw from the mean time): {average} GB/s"
 
 
+EMULATED_NOTE = (
+    "Emulated (a model, an emulator or CPU ranks): times and bandwidths below are not GPU fabric figures."
+)
+
+
 def _cpu_run_note(spec: SystemSpec) -> str | None:
     """The line a run with no spec opens with (a CPU run says what its figures measure)."""
     return None if has_figures(spec) else (spec.description or "No spec: no %spec is shown.")
@@ -121,7 +126,7 @@ def summary_markdown(
     if _cpu_run_note(spec):
         parts += [f"**{_cpu_run_note(spec)}**", ""]
     if any_emulated(frame):
-        parts += ["**Emulated backend: times and bandwidths below are not hardware measurements.**", ""]
+        parts += [f"**{EMULATED_NOTE}**", ""]
     parts += ["## Headline", "", f"Spec: {spec_legend(spec)}.", ""]
     if average_text(frame):
         parts += [average_text(frame), ""]
@@ -195,7 +200,7 @@ def report_html(
     if _cpu_run_note(spec):
         body.append(f'<p class="warning">{esc(_cpu_run_note(spec) or "")}</p>')
     if any_emulated(frame):
-        body.append('<p class="warning">Emulated backend: times and bandwidths are not hardware figures.</p>')
+        body.append(f'<p class="warning">{html.escape(EMULATED_NOTE)}</p>')
     body += ["<h2>Headline</h2>", f"<p>Spec: {esc(spec_legend(spec))}.</p>"]
     if average_text(frame):
         body.append(f"<p>{esc(average_text(frame) or '')}</p>")
@@ -345,9 +350,8 @@ def _plot_per_gpu_vs_spec(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
     axes.set_yscale("log")
     axes.set_xticks(positions, [_case_label(r) for r in records], fontsize="x-small")
     axes.set_ylabel("per-GPU GB/s, one direction")
-    axes.set_title(
-        "Achieved per-GPU bandwidth (busbw; balanced: mean time, MoE: p50) vs spec, labels: % of spec"
-    )
+    title = "Achieved per-GPU bandwidth (busbw; balanced: mean time, MoE: p50)"
+    axes.set_title(title + (" vs spec, labels: % of spec" if has_figures(spec) else ", no spec"))
     axes.grid(True, axis="y", which="both", alpha=0.3)
     if has_figures(spec):
         axes.legend(fontsize="small")

@@ -113,6 +113,11 @@ class RowMaker:
     layout: Layout
     check: str = "checksum"  # the rows' check column: a RunOptions.check_mode, "window-last" or "n/a"
 
+    def emulated(self) -> bool:
+        """Whether the rows are not GPU fabric figures: an emulated backend, or ranks on CPU (gloo)."""
+        device = getattr(getattr(self.backend, "comm", None), "device", None)
+        return bool(self.backend.emulated) or getattr(device, "type", "cpu") == "cpu"
+
     def case(self) -> dict[str, Any]:
         job = self.job
         if not isinstance(job, MoeJob):
@@ -152,7 +157,7 @@ class RowMaker:
             "phase": phase,
             "backend": backend.label,
             "backend_name": backend.name,
-            "emulated": bool(backend.emulated),
+            "emulated": self.emulated(),
             "world_size": layout.world_size,
             **case,
             "warmup": self.job.warmup,

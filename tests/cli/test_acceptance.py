@@ -174,3 +174,43 @@ def test_report_of_a_stopped_run_says_incomplete(tmp_path: Path) -> None:
     check_junit(out)
     again = commbench(["report", str(out)], tmp_path)
     assert "INCOMPLETE" in again.stdout and last_line(again).startswith("commbench verdict: FAIL")
+
+
+def _interrupt_after(out: Path, kept_rows: int) -> list[str]:
+    """The folder as a run stopped after ``kept_rows`` result rows leaves it (what SIGINT leaves is checked
+    in tests/run/test_signals.py): rows cut, meta.json INCOMPLETE. Returns the kept CSV lines."""
+    from commbench.report import mark_incomplete
+
+    for name, per_row in (("results.csv", 1), ("ranks.csv", 4)):
+        lines = (out / name).read_text().splitlines(keepends=True)
+        (out / name).write_text("".join(lines[: 1 + kept_rows * per_row]))
+    mark_incomplete(out, "stopped by SIGINT")
+    return (out / "results.csv").read_text().splitlines()
+
+
+def test_resume_runs_only_what_is_left_and_keeps_the_finished_rows(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert commbench([*BALANCED, "--out", str(out)], tmp_path).returncode == 0
+    kept = _interrupt_after(out, 2)
+    result = commbench([*BALANCED, "--resume", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "1 cases" in result.stderr and "[1/1] balanced alltoall: size 16384 B" in result.stderr
+    lines = (out / "results.csv").read_text().splitlines()
+    assert lines[: len(kept)] == kept and len(lines) == len(kept) + 1  # finished rows untouched, one added
+    meta = json.loads((out / "meta.json").read_text())
+    assert "status" not in meta and meta["resumed"][0]["rows_kept"] == 2
+    assert read_verdict_json(out / "verdict.json").status == "PASS"
+    again = commbench([*BALANCED, "--resume", str(out)], tmp_path)
+    assert again.returncode == 2 and "that run finished" in again.stderr
+
+
+def test_resume_with_other_options_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert commbench([*BALANCED, "--out", str(out)], tmp_path).returncode == 0
+    _interrupt_after(out, 1)
+    before = (out / "results.csv").read_bytes()
+    result = commbench([*BALANCED, "--iters", "6", "--resume", str(out)], tmp_path)
+    assert (
+        result.returncode == 2 and "iters" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    )
+    assert (out / "results.csv").read_bytes() == before

@@ -506,7 +506,7 @@ def test_suite_runs_every_case_in_one_launch(tmp_path: Path, thread_ranks: None)
     assert f"[{total}/{total}] deepseek-v3 hot:8:0.3 combine" in result.stderr
     summary = (out / "summary.md").read_text()
     assert "### balanced" in summary and "### deepseek-v3" in summary
-    assert "Emulated backend" in summary  # mock timings are labelled
+    assert "Emulated (a model, an emulator or CPU ranks)" in summary  # mock timings are labelled
     assert json.loads((out / "meta.json").read_text())["args"]["suite"] == "quick"
     # Imbalance cost is on by default in the suite: every MoE row has a positive skew cost.
     assert (moe["skew_cost"] > 0).all() and (moe["balanced_time_us_p50"] > 0).all()

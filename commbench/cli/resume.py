@@ -1,0 +1,127 @@
+"""``--resume DIR``: continue an interrupted run in its own report folder, skipping the cases it finished.
+
+The folder must be one a run left INCOMPLETE (meta.json ``status: "incomplete"``), written by the same
+command with the same options (every saved argument that shapes the cases is compared; the first
+difference is a one-line error). A balanced size, or an MoE case (both its phases, written together), is
+finished when its row is in results.csv; everything else runs again, appended to the same files. The run
+that resumes takes the folder over (a new claim marker), so that two resumes of one folder cannot both run.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from commbench.errors import UsageError
+from commbench.plain import is_missing
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from commbench.run.jobs import Job
+
+# Saved arguments that may differ between the interrupted run and the one resuming it: they do not change
+# which cases run or what a case measures.
+_FREE_ARGS = frozenset({"timeout_s", "limits", "limit", "baseline", "inject_delay_us"})
+
+
+def _norm(value: Any) -> Any:
+    """A saved (JSON) and a new argument compare equal when they mean the same: tuples as lists."""
+    if isinstance(value, tuple):
+        return [_norm(item) for item in value]
+    if isinstance(value, list):
+        return [_norm(item) for item in value]
+    if isinstance(value, dict):
+        return {str(key): _norm(item) for key, item in value.items()}
+    return value
+
+
+def check_same_run(folder: str, saved: dict[str, Any], command: str, args: dict[str, Any]) -> None:
+    """UsageError unless ``saved`` (the folder's meta.json) is an INCOMPLETE run of ``command`` with
+    ``args``."""
+    if saved.get("status") != "incomplete":
+        raise UsageError(
+            f"--resume {folder}: that run finished (meta.json has no INCOMPLETE status); nothing to resume, "
+            "start a new run with --out"
+        )
+    if saved.get("subcommand") != command:
+        raise UsageError(
+            f"--resume {folder}: it was written by 'commbench {saved.get('subcommand')}', not 'commbench "
+            f"{command}'; resume it with the same command"
+        )
+    saved_args = saved.get("args") or {}
+    for key in sorted(set(saved_args) | set(args)):
+        if key in _FREE_ARGS:
+            continue
+        old, new = _norm(saved_args.get(key)), _norm(args.get(key))
+        if old != new:
+            raise UsageError(
+                f"--resume {folder}: the interrupted run had {key}={old!r}, this command gives {new!r}; "
+                "give the same options as the interrupted run"
+            )
+
+
+def _knobs_match(job: Job, knobs_text: Any) -> bool:
+    from commbench.report.knobs import parse_knobs
+
+    knobs = parse_knobs(knobs_text)
+    return all(knobs.get(key) == str(value) for key, value in (job.backend_options or {}).items())
+
+
+def _same_case(job: Job, row: dict[str, Any]) -> bool:
+    """Whether a result row was measured by ``job``: its pattern, window and knob setting."""
+    same = str(row.get("pattern")) == job.name and _window(row) == job.window
+    return same and _knobs_match(job, row.get("knobs"))
+
+
+def _window(row: dict[str, Any]) -> int:
+    value = row.get("window")
+    return 0 if is_missing(value) else int(value)
+
+
+def remaining_jobs(jobs: list[Job], results: pd.DataFrame) -> tuple[list[Job], int]:
+    """(the jobs left to run, the result rows already finished): balanced jobs cut to their unfinished
+    sizes, MoE jobs whose phases are all in ``results`` dropped."""
+    rows = results.to_dict("records") if not results.empty else []
+    left = []
+    for job in jobs:
+        mine = [row for row in rows if _same_case(job, row)]
+        if job.kind == "balanced":
+            done = {int(row["size_bytes"]) for row in mine if row.get("phase") == "alltoall"}
+            sizes = [size for size in job.sizes if int(size) not in done]
+            if sizes:
+                left.append(replace(job, sizes=sizes))
+            continue
+        skew = job.routing.skew.text
+        phases = {row.get("phase") for row in mine if str(row.get("skew")) == skew}
+        if not {"dispatch", "combine"} <= phases:
+            left.append(job)
+    return left, len(rows)
+
+
+def resumed_meta(saved: dict[str, Any], finished_rows: int) -> dict[str, Any]:
+    """The folder's meta.json for the run that continues it: no INCOMPLETE status (the verdict says how this
+    one ends), and a ``resumed`` entry per resume."""
+    meta = {key: value for key, value in saved.items() if key not in ("status", "incomplete_reason")}
+    history = list(meta.get("resumed") or [])
+    history.append(
+        {
+            "at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "rows_kept": finished_rows,
+            "previous_reason": saved.get("incomplete_reason"),
+        }
+    )
+    meta["resumed"] = history
+    return meta
+
+
+def read_interrupted(folder: str) -> tuple[dict[str, Any], pd.DataFrame]:
+    """(meta, result rows) of the folder to resume, every file checked (UsageError naming a bad one)."""
+    from commbench.report import read_report
+
+    if not Path(folder).is_dir():
+        raise UsageError(f"--resume {folder}: no such report folder")
+    meta, results, _ = read_report(folder)
+    return meta, results
