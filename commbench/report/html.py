@@ -175,9 +175,10 @@ pre { background: #f7f7f7; padding: 1em; white-space: pre-wrap; }
 img { max-width: 100%; }
 .wide { max-width: 100%; overflow-x: auto; }
 .wide table { font-size: 0.8em; }
+.wide th, .wide td { padding: 0.2em 0.4em; }
 .verdict.PASS { color: #060; } .verdict.WARN { color: #a60; }
 .verdict.FAIL, .verdict.stopped { color: #a00; }
-td { overflow-wrap: anywhere; }
+.wide td { white-space: nowrap; }
 """
 
 

@@ -289,6 +289,7 @@ _LINK_CLASS_TABLE = (
     *_CASE,
     _PHASE,
     KNOBS,
+    WINDOW,
     column("size_bytes", "size(B)", fmt_int),
     column("algbw_GBps", "algbw self incl.(GB/s)", format_bandwidth),
     column("busbw_GBps", "link bw self excl.(GB/s)", format_bandwidth),
@@ -333,7 +334,7 @@ def pattern_tables(frame: pd.DataFrame, style: str) -> list[tuple[str, str]]:
     time) for balanced all-to-all rows, the MoE columns otherwise; a timing column where rows mix modes."""
     if frame.empty:
         return []
-    frame = timing_shown(frame)
+    mixing = mixes_timing(frame)
     if "pattern" not in frame.columns:
         groups = [("results", frame)]
     else:
@@ -342,7 +343,11 @@ def pattern_tables(frame: pd.DataFrame, style: str) -> list[tuple[str, str]]:
     tables = []
     for name, group in groups:
         balanced = "phase" in group.columns and bool((group["phase"] == "alltoall").all())
-        tables.append((name, render(_BALANCED_TABLE if balanced else _MOE_TABLE, group, style)))
+        # A timing (or window) column only where this table's own rows differ in it; where the run mixes
+        # modes but this table does not, its title says which.
+        if mixing and not mixes_timing(group):
+            name = f"{name} (timing: {with_timing(group)['timing'].iloc[0]})"
+        tables.append((name, render(_BALANCED_TABLE if balanced else _MOE_TABLE, timing_shown(group), style)))
     return tables
 
 
@@ -350,7 +355,7 @@ def link_class_table(frame: pd.DataFrame, style: str) -> str | None:
     """Per-link-class bytes and bandwidths of every result row; None for rows without link-class columns."""
     if frame.empty or "nvlink_bytes" not in frame.columns:
         return None
-    return render(_LINK_CLASS_TABLE, frame, style)
+    return render(_LINK_CLASS_TABLE, timing_shown(frame), style)
 
 
 def skew_cost_table(frame: pd.DataFrame, style: str) -> str | None:

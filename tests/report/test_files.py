@@ -166,11 +166,12 @@ def test_pages_say_how_rows_were_timed(tmp_path: Path) -> None:
     writer.finalize()
     summary = (tmp_path / "run" / "summary.md").read_text()
     assert "Timing: window (as nccl-tests" in summary and "; iteration (a barrier" in summary
-    assert "| timing |" in summary  # the rows mix modes: every table says which
+    # The rows mix modes: every table says which (in its title, each table being uniform).
+    assert "### balanced (timing: window)" in summary and "(timing: iteration)" in summary
     assert "Avg bus bandwidth (balanced all-to-all only, busbw from the mean time):" in summary
     assert "Balanced all-to-all tables: time = the mean" in summary
     html_text = (tmp_path / "run" / "report.html").read_text()
-    assert "Timing: window (as nccl-tests" in html_text and "<th>timing</th>" in html_text
+    assert "Timing: window (as nccl-tests" in html_text and "balanced (timing: window)</h3>" in html_text
 
 
 def test_results_json_reads_like_nccl_tests_json() -> None:
