@@ -30,7 +30,8 @@ def suite(out: Path, world: int, extra: list[str]) -> tuple[int, dict, float]:
 
 
 def spread_findings(verdict: dict) -> list[dict]:
-    return [e for e in verdict.get("elements", []) if e["group"] == "spread" and e["status"] in ("WARN", "FAIL")]
+    elements = verdict.get("elements", [])
+    return [e for e in elements if e["group"] == "spread" and e["status"] in ("WARN", "FAIL")]
 
 
 def main() -> None:
@@ -48,7 +49,8 @@ def main() -> None:
             findings = spread_findings(verdict)
             false_runs += bool(findings)
             names = ", ".join(f"{e['name']} {e['status']}" for e in findings) or "none"
-            print(f"clean run {index}: exit {code}, verdict {verdict.get('status')}, flags: {names}, {wall:.0f} s")
+            status = verdict.get("status")
+            print(f"clean run {index}: exit {code}, verdict {status}, flags: {names}, {wall:.0f} s")
         print(f"false flags: {false_runs} of {args.runs} runs without injection")
         detected = 0
         for rank in range(args.world_size):
@@ -58,7 +60,8 @@ def main() -> None:
             ranks = {e["name"].rsplit(" rank ", 1)[1] for e in failed}
             hit = code == 1 and ranks == {str(rank)}
             detected += hit
-            print(f"inject {args.delay_us:g} us on rank {rank}: exit {code}, flagged ranks {sorted(ranks)}, {wall:.0f} s")
+            flagged = sorted(ranks)
+            print(f"inject {args.delay_us:g} us on rank {rank}: exit {code}, flagged {flagged}, {wall:.0f} s")
         print(f"detections: {detected} of {args.world_size} (exactly the injected rank, FAIL, exit 1)")
         print(f"quick suite wall time without injection: min {min(walls):.0f} s, max {max(walls):.0f} s")
 

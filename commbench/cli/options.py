@@ -298,6 +298,15 @@ def acceptance_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+MAX_WINDOWS = 1000
+REPEAT = click.option(
+    "--repeat",
+    type=click.IntRange(min=1, max=MAX_WINDOWS),
+    default=None,
+    help="Measurement windows per case: each case runs N times, round after round, and the report shows its "
+    "spread (min/median/max over windows). Default: run 1; suite 3 for the MoE cases (their skew cost is a "
+    "ratio of two times) and 1 for the balanced sweep, 1 with --quick.",
+)
 RESUME = click.option(
     "--resume",
     type=click.Path(file_okay=False),

@@ -21,7 +21,6 @@ SUITE_MAX_BYTES = 16 << 20
 SUITE_STEP_FACTOR = 2.0
 # The MoE cases' windows: their skew cost (a ratio of two times) swings between single runs on a busy host.
 SUITE_MOE_REPEAT = 3
-MAX_REPEAT = 1000
 RACK_TOKENS = 4096
 # --quick: a smoke test of the whole pipeline in seconds.
 QUICK_TOKENS = 128
@@ -48,6 +47,7 @@ def _backend_option(func: Any) -> Any:
 @_backend_option
 @opt.WARMUP
 @opt.ITERS
+@opt.REPEAT
 @opt.TIMEOUT
 @opt.CHECK
 @opt.TIMING
@@ -101,6 +101,7 @@ def run(
     step_factor: float,
     option_pairs: tuple[str, ...],
     corrupt: str | None,
+    repeat: int | None,
     **params: Any,
 ) -> None:
     """Run one pattern: a model's dispatch + combine, or a balanced all-to-all size sweep.
@@ -117,6 +118,7 @@ def run(
     else:
         sizes = None
         jobs = [moe_job(build_routing_config(moe, world, dry_run=False), moe.send_mode, settings)]
+    jobs = [replace(job, window=window) for window in range(repeat or 1) for job in jobs]
     check_jobs(jobs, settings)
     is_moe = pattern_kind == "moe"
     args = {
@@ -133,6 +135,7 @@ def run(
         "max_bytes": None if is_moe else max_bytes,
         "step_factor": None if is_moe else step_factor,
         "sizes": sizes,
+        "repeat": repeat or 1,
     }
     launch("run", settings, jobs, args, option_pairs=option_pairs, corrupt=corrupt)
 
@@ -171,14 +174,7 @@ def run(
 )
 @opt.WARMUP
 @opt.ITERS
-@click.option(
-    "--repeat",
-    type=click.IntRange(min=1, max=MAX_REPEAT),
-    default=None,
-    help=f"Measurement windows per case (each case run N times, round after round); the report shows the "
-    f"spread (min/median/max over windows). Default: {SUITE_MOE_REPEAT} for the MoE cases (their skew cost "
-    "is a ratio of two times) and 1 for the balanced sweep; 1 with --quick.",
-)
+@opt.REPEAT
 @opt.SEED
 @opt.TIMEOUT
 @opt.CHECK

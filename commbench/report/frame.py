@@ -103,7 +103,9 @@ Conventions
   entered the call. A rank that is late (host jitter, a slow process, --inject-delay) has a large arrival
   while its peers wait inside the call; the verdict's slow-rank rule judges this column, not end-to-end
   times, which a late rank makes alike on every rank. It does not see a slow link (the data is already in
-  flight): the pairwise link test does.
+  flight): the pairwise link test does. wait_us_p50: per rank, the p50 of the host time inside the call
+  (its own work plus waiting for its peers; iteration timing: until the device synchronized): a late
+  rank's is short, its peers' long.
 - No spec (a CPU run, or a GPU the catalogue does not know, unless --spec names one): the report has no
   %spec column and no spec line; its figures are this host's memory and loopback, not a GPU fabric.
 - Rows marked "emulated" do not measure a GPU fabric: mock and sim (models), shmem-emu (an emulator), and

@@ -1,4 +1,4 @@
-"""The spread of a case over its measurement windows (suite --repeat): min, median and max of its busbw
+"""The spread of a case over its measurement windows (--repeat): min, median and max of its busbw
 and skew cost, so that a difference between two figures can be told from run-to-run noise."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from commbench.report.tables import fmt_float, fmt_text, format_bandwidth, forma
 # What makes a case: its rows in different windows differ only in their "window" column.
 _CASE_COLUMNS = ("pattern", "skew", "phase", "size_bytes", KNOB_SETTING_COLUMN)
 WINDOW_NOTE = (
-    "Each case ran in several measurement windows (suite --repeat), round after round. busbw: balanced "
+    "Each case ran in several measurement windows (--repeat), round after round. busbw: balanced "
     "rows from the mean time, MoE rows from p50, per window; spread = (max - min) / median. A difference "
     "between two cases smaller than their spreads is noise on this host."
 )

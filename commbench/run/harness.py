@@ -24,6 +24,11 @@ every rank's checked outputs; a backend that moves no data (mock, sim) is not ch
 phase's rows (``run.rows``) take their bytes from the job's Pattern (the pattern ``commbench pattern``
 prints) and their times from every rank's samples.
 
+Every timed call also records the rank's arrival: host time from the call's common start (the barrier,
+or the previous call's return in a window) until it entered the call; ranks.csv carries its p50 per rank
+(``arrival_us_p50``), which the verdict's slow-rank rule judges. The ``--inject-delay`` test hook
+(``RunOptions.inject_delay``) sleeps before each timed call of one rank, inside the timer.
+
 Knob sweeps: consecutive jobs with the same effective backend options (``job_backend_options``) share one
 backend; the previous one is closed before the next setting's backend is built.
 
@@ -82,6 +87,7 @@ class Measured:
     # float64 [ranks, calls]: host seconds from each timed call's start (its barrier, or the previous call's
     # return inside a window) until the rank entered the call: what differs between ranks when one is late.
     arrival: np.ndarray | None = None
+    wait: np.ndarray | None = None  # float64 [ranks, calls]: host seconds inside each call (_TimedCalls)
 
 
 def check_label(backend: Backend, opts: RunOptions, timing: str = "iteration") -> str:
@@ -195,24 +201,27 @@ def bench(comm: Any, backend: Backend, job: MoeJob | BalancedJob, phase: Phase, 
             phase.corrupt(output)
         wrong.append(phase.check.full(output))  # the last timed iteration, byte for byte
     comm.heartbeat()
-    gathered = comm.all_gather_object((seconds, wrong, calls.arrivals))
+    gathered = comm.all_gather_object((seconds, wrong, calls.arrivals, calls.waits))
     times = np.array([g[0] for g in gathered], dtype=np.float64)
     arrival = np.array([g[2] for g in gathered], dtype=np.float64)
+    wait = np.array([g[3] for g in gathered], dtype=np.float64)
     if not checking:
-        return Measured(times, None, arrival=arrival)
+        return Measured(times, None, arrival=arrival, wait=wait)
     per_output = np.array([g[1] for g in gathered], dtype=np.int64).sum(axis=0)
-    return Measured(times, int(per_output.sum()), int(np.count_nonzero(per_output)), arrival)
+    return Measured(times, int(per_output.sum()), int(np.count_nonzero(per_output)), arrival, wait)
 
 
 class _TimedCalls:
     """The phase's timed calls on this rank: each call's arrival (host seconds from ``mark()`` until the
-    call begins) is recorded, after the injected delay (``--inject-delay``), which sleeps first."""
+    call begins; the injected delay of ``--inject-delay`` sleeps first) and its wait (from entering the call
+    until ``left()``: the call's own work plus the time it waited for its peers)."""
 
     def __init__(self, phase: Phase, delay_s: float) -> None:
         self.phase = phase
         self.delay_s = delay_s
         self.arrivals: list[float] = []
-        self._mark = time.perf_counter()
+        self.waits: list[float] = []
+        self._mark = self._entered = time.perf_counter()
 
     def mark(self) -> None:
         """The start every rank shares: right after the barrier (or the previous call's return)."""
@@ -221,8 +230,13 @@ class _TimedCalls:
     def __call__(self) -> Any:
         if self.delay_s:
             time.sleep(self.delay_s)
-        self.arrivals.append(time.perf_counter() - self._mark)
+        self._entered = time.perf_counter()
+        self.arrivals.append(self._entered - self._mark)
         return self.phase.call()
+
+    def left(self) -> None:
+        """The call is over (iteration timing: after the device synchronized; a window: when it returned)."""
+        self.waits.append(time.perf_counter() - self._entered)
 
 
 def _timed_iterations(
@@ -245,6 +259,7 @@ def _timed_iterations(
         calls.mark()
         output = calls()
         timer.stop(backend.synchronize)
+        calls.left()
         modelled.append(backend.modelled_seconds())
         if checking:
             # Checks start once every rank has stopped its timer: on a shared CPU host a fast rank's
@@ -274,6 +289,7 @@ def _timed_window(
     for _ in range(iters):
         calls.mark()
         output = calls()
+        calls.left()
         if backend.emulated:  # a class attribute: real backends read no modelled time inside the window
             modelled.append(backend.modelled_seconds())
         # The launcher's hang watchdog wants progress every 2 x timeout + 5 s, which a window of many slow
@@ -308,7 +324,7 @@ def _run_balanced(
         emit(
             *maker.rows(
                 "alltoall", pattern.dispatch_bytes, row_bytes, measured.seconds, measured.wrong,
-                arrival=measured.arrival,
+                arrival=measured.arrival, wait=measured.wait,
             )
         )  # fmt: skip
         failures += _failures(phase, measured, job)
@@ -343,6 +359,7 @@ def _run_moe(
             measured.wrong,
             pattern.expert_load,
             arrival=measured.arrival,
+            wait=measured.wait,
         )
         if opts.imbalance_cost:
             held.append(made)

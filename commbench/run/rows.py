@@ -144,10 +144,12 @@ class RowMaker:
         wrong: int | None,
         expert_load: np.ndarray | None = None,
         arrival: np.ndarray | None = None,
+        wait: np.ndarray | None = None,
     ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         """(result row, rank rows) of one phase: ``matrix`` its [src][dst] bytes, ``seconds`` [ranks,
         samples] every rank's timed iterations or window, ``wrong`` the sum over ranks (None: not checked),
-        ``expert_load`` the job's (MoE), ``arrival`` [ranks, calls] each timed call's arrival in seconds."""
+        ``expert_load`` the job's (MoE), ``arrival`` / ``wait`` [ranks, calls] each timed call's arrival and
+        time inside the call, in seconds (harness._TimedCalls)."""
         case = self.case()
         layout, backend = self.layout, self.backend
         knobs = row_knobs(backend, self.job)
@@ -211,5 +213,8 @@ class RowMaker:
             # descheduled call does not make a rank late.
             late = arrival[rank] if arrival is not None and arrival.size else None
             record["arrival_us_p50"] = float(np.percentile(late, 50) * 1e6) if late is not None else None
+            inside = wait[rank] if wait is not None and wait.size else None
+            # A late rank waits little, its peers wait for it: the other side of arrival.
+            record["wait_us_p50"] = float(np.percentile(inside, 50) * 1e6) if inside is not None else None
             rank_rows.append(record)
         return row, rank_rows
