@@ -105,7 +105,8 @@ def spec_from_meta(meta: Mapping[str, Any], where: str = "meta.json") -> SystemS
 
 
 def file_frame(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` as the files hold it: the ``knobs`` dicts as text."""
+    """``frame`` as the files hold it: ``knobs`` as text (a results frame has it so already; rows built by
+    hand may still hold dicts)."""
     if "knobs" not in frame.columns:
         return frame
     return frame.assign(knobs=[knobs_text(knobs) for knobs in frame["knobs"]])

@@ -1,10 +1,11 @@
 """Backend knob settings in the report: a dict in memory, "k=v k=v" text in the files, and a sweep's setting.
 
 The harness gives every row its knob setting as a dict (``row["knobs"]``); the files hold it as one text
-cell ("chunk_rows=4 signal=chunk"). ``knob_setting`` reads either, so a report rendered in the process that
-ran the jobs and one re-rendered from disk (``commbench report DIR``) show the same; text is parsed only
-when it comes from a file. The tables and plots show a "knobs" column (``KNOB_SETTING_COLUMN``) with the
-knobs whose values differ between rows, and none when every row ran with the same setting.
+cell ("chunk_rows=4 signal=chunk"), and so does every results frame (``frame.canonical_rows`` turns the
+dict into that text, so a report rendered in the process that ran the jobs and one re-rendered from disk
+(``commbench report DIR``) are the same). ``knob_setting`` reads either form. The tables and plots show a
+"knobs" column (``KNOB_SETTING_COLUMN``) with the knobs whose values differ between rows, and none when
+every row ran with the same setting.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 import hashlib
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +23,7 @@ from commbench.traffic.routing import (
 )
 
 DEEPSEEK = load_model("deepseek-v3")
+REPO = Path(__file__).resolve().parents[2]
 QWEN = load_model("qwen3-30b-a3b")
 MIXTRAL = load_model("mixtral-8x22b")
 
@@ -258,10 +261,15 @@ def test_same_routing_in_another_process():
         "r = route_rank(RoutingConfig(model, parse_skew('hot:4:0.3'), 8, 512, seed=3), 6);"
         "print(hashlib.sha256(r.topk_ids.numpy().tobytes() + r.topk_weights.numpy().tobytes()).hexdigest())"
     )
-    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    # A fresh process with a minimal environment: what other tests leave in this process's environment
+    # (ranks' variables, thread settings) must not decide what is compared.
+    env = {key: os.environ[key] for key in ("PATH", "HOME", "PYTHONPATH") if key in os.environ}
+    other = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, env=env, cwd=REPO
+    )
     assert other.stdout.strip() == _digest(
         route_rank(config(model=QWEN, skew="hot:4:0.3", tokens=512, seed=3), 6)
-    )
+    ), other.stderr
 
 
 def test_popularity_is_global_across_ranks():
