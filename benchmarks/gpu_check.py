@@ -148,18 +148,7 @@ class Check:
         began = time.monotonic()
         result_path = self.work / f"step{len(self.steps)}.json"
         result_path.unlink(missing_ok=True)
-        env = {**os.environ, RESULT_ENV: str(result_path), "PYTHONPATH": _pythonpath()}
-        # Own session: on a timeout its children (NVSHMEM proxy threads, spawned ranks) go too.
-        process = subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            errors="replace",
-            env=env,
-            cwd=REPO,
-            start_new_session=True,
-        )
+        process = _start(command, {RESULT_ENV: str(result_path)}, stderr=subprocess.PIPE)
         tails = {kind: collections.deque(maxlen=TAIL_LINES) for kind in ("stdout", "stderr")}
         readers = [
             threading.Thread(target=_forward, args=(stream, sink, tails[kind]), daemon=True)
@@ -442,22 +431,21 @@ def child_main(step: str, kwargs: dict[str, Any]) -> int:
 # The parent: CLI runs, the files, the order of the steps.
 
 
+def _start(command: list[str], extra_env: dict[str, str], stderr: int) -> subprocess.Popen:
+    """``command`` from the repo with this checkout importable, in its own session: on a timeout its
+    children (spawned ranks, NVSHMEM proxy threads) are killed with it instead of spinning on the GPU."""
+    env = {**os.environ, **extra_env, "PYTHONPATH": _pythonpath()}
+    return subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=stderr, text=True, errors="replace", env=env, cwd=REPO,
+        start_new_session=True,
+    )  # fmt: skip
+
+
 def cli_run(out: Path, work: Path, name: str, args: list[str], timeout_s: float) -> dict[str, Any]:
     """One ``commbench run`` (report folder under ``work``, output appended to ``out``/cli_runs.log)."""
     folder = work / name
     command = [sys.executable, "-m", "commbench", "run", "--world-size", "1", "--out", str(folder), *args]
-    env = {**os.environ, "PYTHONPATH": _pythonpath()}
-    # Own session: on a timeout the spawned rank goes too, instead of spinning on the GPU as an orphan.
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-        env=env,
-        cwd=REPO,
-        start_new_session=True,
-    )
+    process = _start(command, {}, stderr=subprocess.STDOUT)
     timed_out = False
     try:
         output, _ = process.communicate(timeout=timeout_s)

@@ -19,6 +19,7 @@ safe loader with these limits, each refused as a one-line ``UsageError`` naming 
 
 from __future__ import annotations
 
+import json
 import os
 import reprlib
 import stat
@@ -293,6 +294,23 @@ def load_yaml(text: str, origin: str) -> Any:
     finally:
         if loader is not None:
             loader.dispose()
+
+
+def load_json(
+    path: str | os.PathLike[str], what: str, max_bytes: int, hint: str, prefix: str = ""
+) -> tuple[Any, str]:
+    """(the parsed JSON of a user's file, the "<what> <path>" its errors name it by): read bounded and as
+    UTF-8; a file that does not parse is a one-line UsageError, ``prefix`` first and ``hint`` (what to do)
+    last."""
+    where = f"{what} {show_path(path)}"
+    text = decode_user_text(read_user_bytes(path, what, max_bytes), where)
+    try:
+        return json.loads(text), where
+    except json.JSONDecodeError as exc:
+        problem = f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+    except (ValueError, RecursionError) as exc:  # a 5000-digit number, nesting deeper than Python's stack
+        problem = clip(str(exc) or type(exc).__name__)
+    raise UsageError(f"{prefix}{where}: {problem}; {hint}")
 
 
 def _codepoint(character: int | str) -> str:

@@ -30,7 +30,7 @@ import pandas as pd
 
 import commbench
 from commbench.errors import UsageError
-from commbench.inputs.userfiles import clip, decode_user_text, kind_of, read_user_bytes, show_path
+from commbench.inputs.userfiles import clip, kind_of, load_json, show_path
 from commbench.plain import is_missing, knobs_text, plain
 from commbench.report.files import spec_from_meta
 from commbench.report.folder import write_atomic
@@ -324,16 +324,7 @@ _NOT_BASELINE = "not a commbench baseline: make one with 'commbench baseline RUN
 def read_baseline(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A baseline file, bounded and checked (schema, every case and figure typed); UsageError in one line
     naming the file."""
-    where = f"baseline file {show_path(path)}"
-    text = decode_user_text(read_user_bytes(path, "baseline file", MAX_BASELINE_BYTES), where)
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(
-            f"{where}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); {_NOT_BASELINE}"
-        ) from None
-    except (ValueError, RecursionError) as exc:
-        raise UsageError(f"{where}: {clip(str(exc) or type(exc).__name__)}; {_NOT_BASELINE}") from None
+    data, where = load_json(path, "baseline file", MAX_BASELINE_BYTES, _NOT_BASELINE)
     if not isinstance(data, dict):
         raise UsageError(f"{where} holds {kind_of(data)}, not a JSON object; {_NOT_BASELINE}")
     if data.get("schema") != SCHEMA:

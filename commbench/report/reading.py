@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -31,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from commbench.errors import UsageError
-from commbench.inputs.userfiles import clip, decode_user_text, kind_of, read_user_bytes, show_path
+from commbench.inputs.userfiles import clip, decode_user_text, kind_of, load_json, read_user_bytes, show_path
 from commbench.report.frame import TEXT_COLUMNS, canonical_rows
 
 # meta.json holds the environment and the layout (a few KiB; ~100 bytes per rank): 32 MiB is ~300,000 ranks.
@@ -109,17 +108,7 @@ STATUSES = ("complete", "incomplete")
 
 def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     """meta.json of a report folder, checked (see the module docstring); UsageError naming the file."""
-    where = f"report file {show_path(path)}"
-    text = decode_user_text(read_user_bytes(path, "report file", MAX_META_BYTES), where)
-    try:
-        meta = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UsageError(
-            f"cannot read {where}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
-            f"{_DAMAGED}"
-        ) from None
-    except (ValueError, RecursionError) as exc:  # a 5000-digit number, nesting deeper than Python's stack
-        raise UsageError(f"cannot read {where}: {clip(str(exc) or type(exc).__name__)}; {_DAMAGED}") from None
+    meta, where = load_json(path, "report file", MAX_META_BYTES, _DAMAGED, prefix="cannot read ")
     if not isinstance(meta, dict):
         raise UsageError(f"{where} is not a JSON object (it holds {kind_of(meta)}); {_DAMAGED}")
     _check_types(meta, _META_TYPES, where, "")

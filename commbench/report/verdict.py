@@ -40,12 +40,14 @@ from commbench.errors import (
 )
 from commbench.inputs.limits import Floor, Limits
 from commbench.inputs.specs import SystemSpec
+from commbench.inputs.userfiles import load_json
 from commbench.plain import is_missing, plain
 from commbench.report.folder import write_atomic
 from commbench.report.outliers import SpreadOutcome, size_text
 
 SCHEMA = "commbench.verdict/1"
 VERDICT_FILE = "verdict.json"
+MAX_VERDICT_BYTES = 16 << 20  # one element per check: a few KiB per case
 STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
 OVERALL = ("PASS", "WARN", "FAIL", "INCOMPLETE")
 FAULT_STATES = ("timed_out", "rank_died")  # the run ended because the fabric or a rank failed: exit 4
@@ -491,11 +493,8 @@ def write_verdict_json(out_dir: str | Path, verdict: Verdict) -> Path:
 
 
 def read_verdict_json(path: str | Path) -> Verdict:
-    """A verdict.json read back (UsageError when it is not one)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise UsageError(
-            f"{path}: cannot be read as JSON ({type(exc).__name__}); render the report again"
-        ) from None
-    return verdict_from_dict(data, str(path))
+    """A verdict.json read back, bounded like every file a user may hand over (UsageError when it is not
+    one)."""
+    hint = "a verdict that cannot be read as JSON is damaged: run the benchmark again"
+    data, where = load_json(path, "verdict file", MAX_VERDICT_BYTES, hint)
+    return verdict_from_dict(data, where)
