@@ -167,8 +167,8 @@ def confirm_slow_ranks(
 
     plan: tuple[list[str], list[Job], int] | None = None
     firsts: list[CaseSpread] = []
-    if comm.rank == 0:
-        limits = acceptance.limits()
+    limits = acceptance.limits() if comm.rank == 0 else None  # read once: only rank 0 judges
+    if limits is not None:
         firsts = arrival_spreads(rank_rows, limits)
         flagged = {spread.case for spread in needs_rerun(firsts, limits.spread)}
         jobs_again = _rerun_jobs(jobs, rank_rows, flagged) if flagged else []
@@ -178,14 +178,13 @@ def confirm_slow_ranks(
     rerun_opts = replace(opts, imbalance_cost=False)  # only the flagged phases themselves
     for _ in range(reruns):
         _, again = run_jobs(comm, jobs_again, rerun_opts, backend_class, None, layout)
-        if comm.rank == 0:
-            for spread in arrival_spreads(again, acceptance.limits()):
+        if limits is not None:
+            for spread in arrival_spreads(again, limits):
                 if spread.case in rerun_spreads:
                     rerun_spreads[spread.case].append(spread)
-    if comm.rank != 0:
+    if limits is None:
         return []
-    rule = acceptance.limits().spread
-    return [confirm(first, rerun_spreads.get(first.case, []), rule) for first in firsts]
+    return [confirm(first, rerun_spreads.get(first.case, []), limits.spread) for first in firsts]
 
 
 def make_judge(

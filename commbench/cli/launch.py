@@ -67,7 +67,7 @@ class LaunchSettings:
         from commbench.errors import UsageError
         from commbench.run.dist import resolve_world_size
 
-        values = {field.name: params.pop(field.name) for field in fields(cls) if field.name in params}
+        values = {field.name: params.pop(field.name) for field in fields(cls)}
         values["inject_delay"] = tuple(values.get("inject_delay") or ())
         values["limit_overrides"] = tuple(values.get("limit_overrides") or ())
         if values["check_mode"] == "every" and values["timing"] == "window":
