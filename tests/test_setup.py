@@ -81,6 +81,21 @@ def test_run_suite_in_a_users_venv_installs_nothing(user_environment: tuple[Path
     assert origin.startswith(str(checkout)), origin  # the fresh clone's own code, not another checkout
 
 
+def test_the_venvs_commbench_command_spawns_ranks_once(user_environment: tuple[Path, dict[str, str]]) -> None:
+    # Spawned ranks import the parent's main script again: the launcher must not run the CLI on import.
+    checkout, env = user_environment
+    launcher = checkout / ".venv" / "bin" / "commbench"
+    out = checkout / "out-launcher"
+    args = ["run", "--pattern", "balanced", "--world-size", "2", "--backend", "gloo", "--min-bytes", "1K"]
+    args += ["--max-bytes", "1K", "--warmup", "1", "--iters", "2", "--out", str(out)]
+    result = subprocess.run(
+        [str(launcher), *args], cwd=checkout, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "claimed by another" not in result.stderr
+    assert (out / "verdict.json").is_file()
+
+
 def test_run_tests_without_ruff_skips_lint_and_runs_tests(
     user_environment: tuple[Path, dict[str, str]],
 ) -> None:

@@ -135,10 +135,17 @@ def install(repo: Path, extras: list[str]) -> None:
 
 
 def _write_console_script() -> None:
-    """``commbench`` in the venv's bin: what the entry point would be, without building a wheel."""
+    """``commbench`` in the venv's bin: what the entry point would be, without building a wheel. The main
+    guard matters: spawned ranks (multiprocessing "spawn") import the parent's main script again, and
+    without it every rank would run the command line once more."""
     bin_dir = Path(sys.prefix) / ("Scripts" if os.name == "nt" else "bin")
     script = bin_dir / "commbench"
-    script.write_text(f"#!{sys.executable}\nimport sys\nfrom commbench.cli import main\nsys.exit(main())\n")
+    text = (
+        f"#!{sys.executable}\nimport sys\n\nfrom commbench.cli import main\n\n"
+        'if __name__ == "__main__":\n    sys.exit(main())\n'
+    )
+    if not script.is_file() or script.read_text() != text:
+        script.write_text(text)
     script.chmod(0o755)
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from commbench.inputs.limits import Limits
     from commbench.inputs.specs import SystemSpec
     from commbench.report.outliers import CaseSpread, SpreadOutcome
-    from commbench.report.verdict import RunStatus, Verdict
+    from commbench.report.verdict import Element, RunStatus, Verdict
     from commbench.run.jobs import Job, RunOptions
 
 # Backends whose figures are GPU fabric figures; on every other one (gloo, shmem-emu, mock, sim) bandwidth
@@ -192,8 +192,11 @@ def make_judge(
     run: RunStatus,
     outcomes: Sequence[SpreadOutcome] = (),
     names: dict[int, str] | None = None,
+    extra_elements: Sequence[Element] = (),
 ) -> Any:
-    """The report's ``Judge``: (results frame, rank frame, meta) -> the Verdict of this run."""
+    """The report's ``Judge``: (results frame, rank frame, meta) -> the Verdict of this run.
+    ``extra_elements``: checks judged in the launch (pairwise link test, GPU health, soak); with a pairwise
+    test, a "bisect" element says whether slow all-to-all cases come from a slow pair or not."""
 
     def judge(frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any]) -> Verdict:
         from commbench.inputs.specs import load_spec
@@ -218,6 +221,18 @@ def make_judge(
                         unit=fields["unit"] or "", remedy=fields["remedy"] or "",
                     )
                 )  # fmt: skip
-        return build_verdict(frame, limits, spec, acceptance.spec_how, run, outcomes, names or {}, extra)
+        extra += list(extra_elements)
+        from commbench.report.soak import soak_elements
+
+        extra += soak_elements(frame, limits)
+        verdict = build_verdict(frame, limits, spec, acceptance.spec_how, run, outcomes, names or {}, extra)
+        from commbench.report.pairs import bisect_element
+
+        bisect = bisect_element(verdict.elements)
+        if bisect is None:
+            return verdict
+        return build_verdict(
+            frame, limits, spec, acceptance.spec_how, run, outcomes, names or {}, [*extra, bisect]
+        )
 
     return judge

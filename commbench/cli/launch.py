@@ -21,7 +21,6 @@ import click
 
 import commbench
 from commbench.cli.options import DEFAULT_ITERS, DEFAULT_WARMUP, QUICK_ITERS, QUICK_WARMUP
-from commbench.cli.progress import Progress
 from commbench.errors import StoppedError
 
 if TYPE_CHECKING:
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
     from commbench.inputs.specs import SystemSpec
     from commbench.report import OutDirClaim
     from commbench.run.jobs import Job, RunOptions
+    from commbench.run.pairwise import PairwiseJob
     from commbench.traffic.routing import RoutingConfig
 
 DEFAULT_REPORTS_DIR = "reports"
@@ -53,7 +53,9 @@ class LaunchSettings:
     imbalance_cost: bool
     check_mode: str  # --check: how the timed iterations are verified (RunOptions.check_mode)
     timing: str | None  # --timing: every job's (jobs.TIMINGS), or None for each kind's default
-    inject_delay: tuple[tuple[int, float], ...] = ()  # --inject-delay (test hook): (rank, seconds)
+    inject_delay: tuple[tuple[int, float], ...] = ()  # --inject-delay RANK:US (test hook): (rank, seconds)
+    pair_delay: tuple[tuple[int, int, float], ...] = ()  # --inject-delay SRC-DST:US: (src, dst, seconds)
+    pair_bytes: int | None = None  # --pair-bytes: the pairwise test's message size (None: the limits')
     limits_file: str | None = None  # --limits FILE: acceptance limits over the spec's shipped ones
     limit_overrides: tuple[str, ...] = ()  # --limit KEY=VALUE
     baseline_file: str | None = None  # --baseline FILE: each case also judged against it
@@ -67,8 +69,10 @@ class LaunchSettings:
         from commbench.errors import UsageError
         from commbench.run.dist import resolve_world_size
 
-        values = {field.name: params.pop(field.name) for field in fields(cls)}
-        values["inject_delay"] = tuple(values.get("inject_delay") or ())
+        values = {field.name: params.pop(field.name) for field in fields(cls) if field.name != "pair_delay"}
+        delays = tuple(values.get("inject_delay") or ())  # RANK:US and SRC-DST:US, told apart by length
+        values["inject_delay"] = tuple(item for item in delays if len(item) == 2)
+        values["pair_delay"] = tuple(item for item in delays if len(item) == 3)
         values["limit_overrides"] = tuple(values.get("limit_overrides") or ())
         if values["check_mode"] == "every" and values["timing"] == "window":
             raise UsageError("--check every needs --timing iteration")
@@ -131,6 +135,8 @@ class LaunchPlan:
     meta: dict[str, Any]
     total_steps: int
     swept_keys: tuple[str, ...] = ()  # knobs a --backend-option sweep varies (named in progress lines)
+    pairwise: PairwiseJob | None = None  # the pairwise link test, after the jobs (None: not run)
+    soak_s: float | None = None  # --soak: the jobs round after round for this long (None: once)
     out_claim: str | None = None  # the token of the launcher's claim on out_dir (report.claim_out_dir)
     resume: bool = False  # out_dir is an interrupted run's folder: skip its finished cases, append
     acceptance: Acceptance | None = None  # what the verdict judges by (None: no verdict, unit tests)
@@ -143,14 +149,19 @@ def launch(
     args: dict[str, Any],
     option_pairs: Sequence[str] | None = None,
     corrupt: str | None = None,
+    pairwise: bool = False,
+    soak_s: float | None = None,
 ) -> None:
-    """Check everything in the parent, run ``jobs`` on every rank, write the report folder.
+    """Check everything in the parent, run ``jobs`` on every rank (then the pairwise link test when
+    ``pairwise``), write the report folder.
 
     ``args`` are the command's own arguments for meta.json (the shared ones are added here);
-    ``option_pairs`` the ``--backend-option`` pairs of a command that takes them (None: it does not).
+    ``option_pairs`` the ``--backend-option`` pairs of a command that takes them (None: it does not);
+    ``soak_s``: run the jobs round after round for that many seconds (suite --soak).
     UsageError (one line, nothing launched or written) on bad input.
     """
     from commbench.cli.acceptance import Acceptance, choose_report_spec
+    from commbench.cli.worker import launch_worker
     from commbench.run import dist
     from commbench.run.jobs import RunOptions
 
@@ -180,8 +191,19 @@ def launch(
         check=settings.check_mode,
         timing=settings.timing,  # None: each kind's default (the rows' timing column says which ran)
     )
-    if settings.inject_delay:  # a planted fault: the report must say so
-        shared["inject_delay_us"] = {str(rank): seconds * 1e6 for rank, seconds in settings.inject_delay}
+    if settings.inject_delay or settings.pair_delay:  # a planted fault: the report must say so
+        shared["inject_delay_us"] = {
+            **{str(rank): seconds * 1e6 for rank, seconds in settings.inject_delay},
+            **{f"{src}-{dst}": seconds * 1e6 for src, dst, seconds in settings.pair_delay},
+        }
+    link_test = _pairwise_job(settings, acceptance, world, backend, alone=not jobs) if pairwise else None
+    if link_test is not None:
+        shared["pairwise"] = {
+            "bandwidth_bytes": link_test.bandwidth_bytes,
+            "latency_bytes": link_test.latency_bytes,
+            "warmup": link_test.warmup,
+            "iters": link_test.iters,
+        }
     options = RunOptions(
         backend=backend,
         backend_options=fixed,
@@ -192,6 +214,7 @@ def launch(
         imbalance_cost=settings.imbalance_cost,
         check_mode=settings.check_mode,
         inject_delay=settings.inject_delay,
+        pair_delay=settings.pair_delay,
     )
     options.check(world)  # a rank out of range in --inject-delay, before anything starts
     if settings.limits_file or settings.limit_overrides or settings.baseline_file:
@@ -225,6 +248,8 @@ def launch(
         out_claim=token,
         acceptance=acceptance,
         resume=bool(settings.resume),
+        pairwise=link_test,
+        soak_s=soak_s,
     )
     try:
         dist.launch(world, launch_worker, (plan,), backend, settings.timeout_s)
@@ -242,6 +267,39 @@ def launch(
         raise
     if dist.is_rank0_process():
         _verdict_last(out_dir, None)
+
+
+def _pairwise_job(
+    settings: LaunchSettings, acceptance: Acceptance, world: int, backend: str, alone: bool
+) -> PairwiseJob | None:
+    """The pairwise link test: message sizes from the limits (``pairwise.*_bytes``, per spec) unless
+    --pair-bytes says otherwise; the launch's warm-up and iterations. None (said on stderr) on a backend
+    that moves no data (mock, sim): their ranks have no links to measure; UsageError when it was to run
+    alone (``run --pattern pairwise``)."""
+    from commbench.backends import get_backend
+    from commbench.errors import UsageError
+    from commbench.run.dist import is_rank0_process
+    from commbench.run.pairwise import PairwiseJob
+
+    if not get_backend(backend).moves_data:
+        if alone:
+            raise UsageError(
+                f"the pairwise link test needs a backend that moves data; {backend} moves none: use "
+                "--backend nccl or gloo"
+            )
+        if is_rank0_process():
+            click.echo(f"commbench: pairwise link test skipped: backend {backend} moves no data", err=True)
+        return None
+
+    rule = acceptance.limits().pairwise
+    job = PairwiseJob(
+        bandwidth_bytes=settings.pair_bytes or rule.bandwidth_bytes,
+        latency_bytes=rule.latency_bytes,
+        warmup=min(settings.warmup, 5),
+        iters=settings.iters,
+    )
+    job.check(world)
+    return job
 
 
 def _verdict_last(out_dir: str, error: BaseException | None) -> None:
@@ -415,84 +473,14 @@ def _prepare_out(out: str | None) -> tuple[str, OutDirClaim | None]:
 
 
 def _run_meta(command: str, args: dict[str, Any], backend_reason: str) -> dict[str, Any]:
+    from commbench.run.launch_env import launcher
+
     return {
         "commbench_version": commbench.__version__,
         "subcommand": command,
         "args": args,
         "backend_choice": backend_reason,
+        "launcher": launcher(),  # torchrun, slurm (srun tasks) or spawn (local ranks started here)
         "argv": list(sys.argv),
         "command": shlex.join(sys.argv),
     }
-
-
-# ----------------------------------------------------------------------------------------------------------
-# On every rank
-
-
-def launch_worker(comm: Any, plan: LaunchPlan) -> None:
-    """Every rank runs the jobs, then reruns the cases with a slow rank (``cli.acceptance``); rank 0 writes
-    the report as phases finish, the verdict, and prints the table."""
-    from commbench.backends import get_backend
-    from commbench.cli.acceptance import confirm_slow_ranks, make_judge, rank_names
-    from commbench.report.verdict import RunStatus, run_status_from_error
-    from commbench.run.harness import run_jobs
-    from commbench.run.placement import gather_layout
-
-    backend_class = get_backend(plan.options.backend)
-    layout = gather_layout(comm, plan.options)  # collective: every rank's place
-    if plan.resume:  # only rank 0 can read the folder (other hosts may not see it): it says what is left
-        from commbench.cli.resume import read_interrupted, remaining_jobs
-
-        left = remaining_jobs(plan.jobs, read_interrupted(plan.out_dir)[1])[0] if comm.rank == 0 else None
-        plan = replace(plan, jobs=comm.all_gather_object(left)[0])
-    if comm.rank != 0:
-        run_jobs(comm, plan.jobs, plan.options, backend_class, None, layout)
-        if plan.acceptance is not None:
-            confirm_slow_ranks(comm, plan.jobs, plan.options, backend_class, layout, [], plan.acceptance)
-        return
-
-    from commbench.hardware.environment import capture_environment
-    from commbench.report import ReportWriter, results_table
-    from commbench.run.liveness import deferred_stop
-    from commbench.run.nccl_env import applied
-
-    env = capture_environment()
-    env["argv"] = plan.meta.get("argv", env["argv"])
-    env["command"] = plan.meta.get("command", env["command"])
-    if (nccl_errors := applied()) is not None:  # the TORCH_NCCL_* error handling in effect, and who set it
-        env["nccl_error_handling"] = nccl_errors.to_meta()
-    meta = {**plan.meta, "env": env, "topology": layout.to_meta()}
-    # Adds the spec to meta.json; a resumed run keeps the rows already in the folder.
-    writer = ReportWriter(plan.out_dir, meta, plan.spec, plan.out_claim, resume=plan.resume)
-    click.echo(f"commbench: topology: {layout.describe()}", err=True)
-    progress = Progress(plan.total_steps, plan.spec, plan.swept_keys)
-    names = rank_names(layout)
-
-    def sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
-        with deferred_stop():  # a stop signal waits until these rows are written whole
-            writer.add(rows, rank_rows)
-            progress(rows)
-
-    try:
-        _, rank_rows = run_jobs(comm, plan.jobs, plan.options, backend_class, sink, layout)
-        outcomes = []
-        if plan.acceptance is not None:
-            outcomes = confirm_slow_ranks(
-                comm, plan.jobs, plan.options, backend_class, layout, rank_rows, plan.acceptance
-            )
-    except BaseException as stopped_by:
-        # Keep whatever finished readable (summary, html, verdict), saying INCOMPLETE and why, before the
-        # error propagates; a second stop signal meanwhile does not cut it short.
-        with deferred_stop():
-            try:
-                judge = None
-                if plan.acceptance is not None:
-                    judge = make_judge(plan.acceptance, run_status_from_error(stopped_by), (), names)
-                frame = writer.finalize(incomplete=incomplete_reason(stopped_by), judge=judge)
-                if not frame.empty:
-                    click.echo(results_table(frame, writer.meta))
-            except Exception as exc:  # never mask the original error
-                click.echo(f"commbench: could not finalize the partial report: {exc}", err=True)
-        raise
-    judge = make_judge(plan.acceptance, RunStatus(), outcomes, names) if plan.acceptance is not None else None
-    click.echo(results_table(writer.finalize(judge=judge), writer.meta))

@@ -236,20 +236,29 @@ TIMING = click.option(
 
 
 class InjectDelay(click.ParamType):
-    """RANK:MICROSECONDS (the hidden --inject-delay test hook) -> (rank, seconds)."""
+    """RANK:MICROSECONDS -> (rank, seconds), SRC-DST:MICROSECONDS -> (src, dst, seconds): the hidden
+    --inject-delay test hook."""
 
-    name = "RANK:US"
-    _pattern = re.compile(r"^\s*(\d{1,8})\s*:\s*(\d{1,8}(?:\.\d*)?)\s*$")
+    name = "RANK:US|SRC-DST:US"
+    _rank = re.compile(r"^\s*(\d{1,8})\s*:\s*(\d{1,8}(?:\.\d*)?)\s*$")
+    _pair = re.compile(r"^\s*(\d{1,8})\s*-\s*(\d{1,8})\s*:\s*(\d{1,8}(?:\.\d*)?)\s*$")
 
     def convert(
         self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> tuple[int, float]:
+    ) -> tuple[int, float] | tuple[int, int, float]:
         if isinstance(value, tuple):
             return value
-        match = self._pattern.match(str(value))
-        if not match or float(match.group(2)) <= 0:
-            self.fail(f"{str(value)[:40]!r} is not RANK:MICROSECONDS; use e.g. 2:5000", param, ctx)
-        return int(match.group(1)), float(match.group(2)) / 1e6
+        if match := self._rank.match(str(value)):
+            if float(match.group(2)) > 0:
+                return int(match.group(1)), float(match.group(2)) / 1e6
+        elif (match := self._pair.match(str(value))) and float(match.group(3)) > 0:
+            return int(match.group(1)), int(match.group(2)), float(match.group(3)) / 1e6
+        self.fail(
+            f"{str(value)[:40]!r} is not RANK:MICROSECONDS or SRC-DST:MICROSECONDS; use e.g. 2:5000 or "
+            "1-2:5000",
+            param,
+            ctx,
+        )
 
 
 INJECT_DELAY = click.option(
@@ -259,7 +268,39 @@ INJECT_DELAY = click.option(
     multiple=True,
     hidden=True,
     help="Test hook: RANK:MICROSECONDS makes that rank sleep that long before each phase call of every "
-    "timed iteration (every case, every backend), so the verdict's outlier rule can be tested.",
+    "timed iteration (every case, every backend), so the verdict's outlier rule can be tested; "
+    "SRC-DST:MICROSECONDS makes SRC sleep before each of its timed sends to DST in the pairwise link test "
+    "(that direction only).",
+)
+
+
+class Duration(click.ParamType):
+    """A duration as operators write it: 90s, 30m, 2h, 1h30m, or plain seconds -> seconds (float)."""
+
+    name = "DURATION"
+    _part = re.compile(r"(\d{1,7}(?:\.\d+)?)\s*([smhd]?)", re.IGNORECASE)
+    _scale = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+    MAX_S = 7 * 86400.0
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        if isinstance(value, float):
+            return value
+        text = str(value).strip()
+        parts = self._part.findall(text)
+        seconds = sum(float(number) * self._scale[unit.lower()] for number, unit in parts)
+        if not parts or self._part.sub("", text).strip() or not 0 < seconds <= self.MAX_S:
+            self.fail(
+                f"{text[:40]!r} is not a duration of up to 7 days; use e.g. 30m, 2h or 1h30m", param, ctx
+            )
+        return seconds
+
+
+PAIR_BYTES = click.option(
+    "--pair-bytes",
+    type=BYTES,
+    default=None,
+    help="Pairwise link test: message size of its bandwidth windows (K/M/G = 1024-based). Default: the "
+    "spec's acceptance limits (pairwise.bandwidth_bytes: 256M on GPU specs, 1M on a CPU run).",
 )
 _ACCEPTANCE_OPTIONS = (
     click.option(

@@ -11,6 +11,7 @@ import click
 from commbench.cli import options as opt
 from commbench.cli.inputs import MoeInputs, balanced_sizes, build_routing_config, check_jobs
 from commbench.cli.launch import LaunchSettings, balanced_job, launch, moe_job
+from commbench.errors import UsageError
 
 # The default suite, sized so that 4 gloo ranks on 2 CPU cores finish it in a few minutes.
 SUITE_MODEL = "deepseek-v3"
@@ -52,6 +53,7 @@ def _backend_option(func: Any) -> Any:
 @opt.CHECK
 @opt.TIMING
 @opt.INJECT_DELAY
+@opt.PAIR_BYTES
 @opt.acceptance_options
 @opt.RESUME
 @opt.OUT
@@ -67,10 +69,11 @@ def _backend_option(func: Any) -> Any:
 @click.option(
     "--pattern",
     "pattern_kind",
-    type=click.Choice(["moe", "balanced"]),
+    type=click.Choice(["moe", "balanced", "pairwise"]),
     default="moe",
     show_default=True,
-    help="moe: the model's dispatch and combine phases; balanced: an nccl-tests-style all-to-all size sweep.",
+    help="moe: the model's dispatch and combine phases; balanced: an nccl-tests-style all-to-all size sweep; "
+    "pairwise: the pairwise link test alone (every ordered pair, one way and both ways; --pair-bytes).",
 )
 @click.option(
     "--min-bytes",
@@ -111,7 +114,11 @@ def run(
     settings = LaunchSettings.from_params(params)
     moe = MoeInputs.from_params(params)
     world = settings.world_size
-    if pattern_kind == "balanced":
+    if pattern_kind == "pairwise":
+        sizes = None
+        jobs = []
+        settings = replace(settings, imbalance_cost=False)
+    elif pattern_kind == "balanced":
         sizes = balanced_sizes(min_bytes, max_bytes, step_factor, world)
         jobs = [balanced_job(sizes, settings)]
         settings = replace(settings, imbalance_cost=False)  # a balanced sweep has nothing to compare with
@@ -131,13 +138,14 @@ def run(
         "capacity_factor": moe.capacity_factor,
         "seed": moe.seed,
         # The balanced sweep's nccl-tests header (-b/-e/-f); warmup, iters, check and timing are shared.
-        "min_bytes": None if is_moe else min_bytes,
-        "max_bytes": None if is_moe else max_bytes,
-        "step_factor": None if is_moe else step_factor,
+        "min_bytes": min_bytes if pattern_kind == "balanced" else None,
+        "max_bytes": max_bytes if pattern_kind == "balanced" else None,
+        "step_factor": step_factor if pattern_kind == "balanced" else None,
         "sizes": sizes,
         "repeat": repeat or 1,
     }
-    launch("run", settings, jobs, args, option_pairs=option_pairs, corrupt=corrupt)
+    pairwise = pattern_kind == "pairwise"
+    launch("run", settings, jobs, args, option_pairs=option_pairs, corrupt=corrupt, pairwise=pairwise)
 
 
 @click.command()
@@ -180,11 +188,29 @@ def run(
 @opt.CHECK
 @opt.TIMING
 @opt.INJECT_DELAY
+@opt.PAIR_BYTES
 @opt.acceptance_options
 @opt.RESUME
 @opt.OUT
 @opt.layout_options
 @opt.imbalance_cost_option(default=True)
+@click.option(
+    "--soak",
+    "soak_s",
+    type=opt.Duration(),
+    default=None,
+    help="Soak test: run the largest balanced size and the MoE cases round after round for this long (e.g. "
+    "30m, 2h); busbw per window over time in report.html, each case's drift from its first windows to its "
+    "last judged (soak.drift_*_pct), with the health counters before/after and #wrong of every window.",
+)
+@click.option(
+    "--pairwise/--no-pairwise",
+    default=True,
+    show_default=True,
+    help="After the all-to-all cases, the pairwise link test: every ordered pair of ranks one way and both "
+    "ways at once, in rounds of disjoint pairs; [src][dst] bandwidth and latency matrices (pairs.csv, "
+    "heatmaps) and each pair judged against its link class.",
+)
 @click.option(
     "--quick",
     is_flag=True,
@@ -200,6 +226,8 @@ def suite(
     option_pairs: tuple[str, ...],
     seed: int,
     quick: bool,
+    pairwise: bool,
+    soak_s: float | None,
     **params: Any,
 ) -> None:
     """The default suite in one launch and one report folder, ending with a verdict.
@@ -207,7 +235,8 @@ def suite(
     \b
     1. balanced all-to-all sweep, 1 KiB .. 16 MiB each rank sends, x2 per step (nccl-tests -b 1K -e 16M -f 2);
     2. deepseek-v3 dispatch + combine (FP8 dispatch, BF16 combine, token mode) at skews
-       uniform, zipf:1.2 and hot:8:0.3, 512 tokens per rank, 3 windows each.
+       uniform, zipf:1.2 and hot:8:0.3, 512 tokens per rank, 3 windows each;
+    3. the pairwise link test: every ordered pair of ranks, one way and both ways (--no-pairwise skips it).
     Sized for 4 gloo ranks on 2 CPU cores to take a few minutes; on GPUs raise --tokens (e.g. 4096) and
     --max-bytes (e.g. 1G). Exit code: 0 PASS or WARN, 1 FAIL, 2 could not run, 3 wrong data, 4 a rank died
     or timed out.
@@ -221,6 +250,11 @@ def suite(
     skews = skews or SUITE_SKEWS
     moe_repeat = repeat or (1 if quick else SUITE_MOE_REPEAT)
     sizes = balanced_sizes(min(SUITE_MIN_BYTES, max_bytes), max_bytes, step, world)
+    if soak_s is not None:
+        if repeat is not None or settings.resume:
+            raise UsageError("--soak repeats the cases for its duration: leave out --repeat and --resume")
+        sizes = sizes[-1:]  # the largest balanced size: bandwidth, not latency, drifts
+        moe_repeat = 1
     cases: list[Any] = [balanced_job(sizes, settings)]
     for model in models:
         for skew in skews:
@@ -246,5 +280,6 @@ def suite(
         "sizes": sizes,
         "seed": seed,
         "repeat": {"balanced": repeat or 1, "moe": moe_repeat},
+        "soak_s": soak_s,
     }
-    launch("suite", settings, jobs, args, option_pairs=option_pairs)
+    launch("suite", settings, jobs, args, option_pairs=option_pairs, pairwise=pairwise, soak_s=soak_s)

@@ -43,6 +43,9 @@ class RankPlace:
     device: int = -1  # CUDA ordinal in the rank's process; -1 = a CPU rank
     bus_id: str = ""  # PCI domain:bus:device in hex as nccl-tests prints it ("0000:19:00"); "" when unknown
     gpu_name: str = ""  # "NVIDIA H200"; "" on a CPU rank
+    # The launcher's node rank (torchrun's GROUP_RANK, which srun tasks get from SLURM_NODEID); -1 for ranks
+    # commbench spawned. Tells apart nodes that share a hostname (two torchrun agents on one machine).
+    node: int = -1
 
     @property
     def domain_key(self) -> str:
@@ -52,7 +55,12 @@ class RankPlace:
         return f"host:{self.host}"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The place as meta.json records it; ``node`` only when a launcher set it, so a spawned run's
+        meta.json stays as it was (readers take a missing ``node`` as -1)."""
+        values = asdict(self)
+        if self.node < 0:
+            del values["node"]
+        return values
 
 
 def _nvml() -> Any:
@@ -258,12 +266,20 @@ def _nvml_gpu_of(
     return next((g for g in gpus if g.get("index") == index), None)
 
 
+def launcher_node() -> int:
+    """This rank's node in its launch: GROUP_RANK (set by torchrun, and from SLURM_NODEID for srun tasks by
+    ``run.launch_env``); -1 when absent or not a number (spawned ranks)."""
+    text = os.environ.get("GROUP_RANK", "").strip()
+    return int(text) if text.isdigit() else -1
+
+
 def local_place(device_index: int | None = None) -> RankPlace:
-    """This process's place: host and pid, and for CUDA device ``device_index`` (an ordinal of this process)
-    its UUID, PCI bus id and name, and the fabric clique of the NVML GPU with that UUID (or bus id)."""
-    host, pid = socket.gethostname(), os.getpid()
+    """This process's place: host, pid and launcher node, and for CUDA device ``device_index`` (an ordinal of
+    this process) its UUID, PCI bus id and name, and the fabric clique of the NVML GPU with that UUID (or bus
+    id)."""
+    host, pid, node = socket.gethostname(), os.getpid(), launcher_node()
     if device_index is None:
-        return RankPlace(host=host, pid=pid)
+        return RankPlace(host=host, pid=pid, node=node)
     device = cuda_device(device_index)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpu = _nvml_gpu_of(device, probe_gpus().get("gpus", []), visible) or {}
@@ -277,6 +293,7 @@ def local_place(device_index: int | None = None) -> RankPlace:
         device=int(device_index),
         bus_id=bus_id_text(pci) if pci is not None else "",
         gpu_name=device.name or _known(gpu.get("name")),
+        node=node,
     )
 
 

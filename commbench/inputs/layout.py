@@ -2,14 +2,16 @@
 
 A rank's NVLink domain is, on a multi-node NVLink system (GB200/GB300 NVL72), the GPU fabric's cluster UUID
 and clique id reported by NVML (``commbench.hardware.probes.local_place``); on any other machine it is the
-host. For CPU runs and what-ifs ``ranks_per_domain`` (and ``ranks_per_host``) override it: ranks are placed
-contiguously, so a 4-process gloo run with ``ranks_per_domain=2`` stands for 2 domains of 2.
+host. A host is a hostname, told apart by the launcher's node rank where ranks of different nodes share one
+(two torchrun agents on one machine standing for two nodes: "myhost (node 1)"). For CPU runs and what-ifs
+``ranks_per_domain`` (and ``ranks_per_host``) override it: ranks are placed contiguously, so a 4-process
+gloo run with ``ranks_per_domain=2`` stands for 2 domains of 2.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -97,7 +99,15 @@ def _dense_ids(keys: Sequence[str]) -> np.ndarray:
 
 
 def _places(discovered: Sequence[RankPlace | dict[str, Any]]) -> list[RankPlace]:
-    return [p if isinstance(p, RankPlace) else RankPlace(**p) for p in discovered]
+    """RankPlace objects (a meta.json's dicts too, older ones without ``node``), with hostnames that ranks
+    of several launcher nodes share made distinct and readable: "myhost (node 1)". A real multi-node run (a
+    hostname per node) and a single-node one keep their hostnames, so their layout does not change."""
+    places = [p if isinstance(p, RankPlace) else RankPlace(**p) for p in discovered]
+    nodes_of_host: dict[str, set[int]] = {}
+    for place in places:
+        nodes_of_host.setdefault(place.host, set()).add(place.node)
+    shared = {host for host, nodes in nodes_of_host.items() if len(nodes) > 1}
+    return [replace(p, host=f"{p.host} (node {p.node})") if p.host in shared else p for p in places]
 
 
 def build_layout(

@@ -103,6 +103,23 @@ KEYS: dict[str, _Key] = {
     "spread.confirm_rule": _Key(str, choices=CONFIRM_RULES, what="one of: all, majority"),
     # Fixed: an acceptance test accepts no wrong byte and no timeout. The keys exist so that every limit the
     # verdict applies is written in the file.
+    # The pairwise link test (run.pairwise, report.pairs): message sizes, the class-median rule, class floors.
+    "pairwise.bandwidth_bytes": _Key(int, 1, 1 << 34, what="a byte count (e.g. 256M) from 1 B to 16 GiB"),
+    "pairwise.latency_bytes": _Key(int, 1, 1 << 20, what="a byte count (e.g. 8) from 1 B to 1 MiB"),
+    "pairwise.k_mads": _Key(float, 1.0, 100.0, what="a number of scaled MADs in [1, 100]"),
+    "pairwise.bandwidth_drop_pct": _Key(float, 0.0, 100.0, low_open=True, what="a percentage in (0, 100)"),
+    "pairwise.latency_excess_pct": _Key(float, 0.0, 1e6, what="a percentage in [0, 1000000]"),
+    "pairwise.min_excess_us": _Key(float, 0.0, 1e7, what="microseconds, at least 0"),
+    "pairwise.min_pairs": _Key(int, 3, 1 << 24, what="a pair count of at least 3"),
+    "pairwise.nvlink.busbw_warn_fraction": _fraction(),
+    "pairwise.nvlink.busbw_fail_fraction": _fraction(),
+    "pairwise.scaleout.busbw_warn_fraction": _fraction(),
+    "pairwise.scaleout.busbw_fail_fraction": _fraction(),
+    # --soak: bandwidth drift between the first and the last soak window (each case), in percent.
+    "soak.drift_warn_pct": _Key(float, 0.0, 100.0, low_open=True, what="a percentage in (0, 100]"),
+    "soak.drift_fail_pct": _Key(float, 0.0, 100.0, low_open=True, what="a percentage in (0, 100]"),
+    # Health counters (NVLink CRC/replay/recovery, ECC, Xid) before vs after: the increase allowed.
+    "health.max_counter_increase": _Key(int, 0, 1 << 40, what="a count of at least 0"),
     "correctness.max_wrong": _Key(int, 0, 0, what="0 (commbench accepts no wrong data)"),
     "completion.max_timeouts": _Key(int, 0, 0, what="0 (a timeout or a dead rank always fails)"),
 }
@@ -135,6 +152,26 @@ class SpreadRule:
 
 
 @dataclass(frozen=True)
+class PairRule:
+    """The pairwise link test's rule (commbench.report.pairs): a pair is flagged against the robust median
+    of its link class and test when its bandwidth is more than ``k_mads`` scaled MADs AND
+    ``bandwidth_drop_pct`` % below it, or its latency more than ``k_mads`` scaled MADs AND
+    ``latency_excess_pct`` % AND ``min_excess_us`` above it; classes with fewer than ``min_pairs`` pairs
+    are not judged against a median; every flag needs a time per message ``min_excess_us`` above the median
+    too. Floors per class are fractions of the spec (None: a CPU run)."""
+
+    bandwidth_bytes: int
+    latency_bytes: int
+    k_mads: float
+    bandwidth_drop_pct: float
+    latency_excess_pct: float
+    min_excess_us: float
+    min_pairs: int
+    nvlink_floor: Floor | None = None
+    scaleout_floor: Floor | None = None
+
+
+@dataclass(frozen=True)
 class Limits:
     """Checked limits: ``values`` maps every KEY that applies to its value (a CPU run's limits hold no
     bandwidth key); ``source`` says where they came from; ``cpu_run``: no GPU spec, no bandwidth limits."""
@@ -154,6 +191,22 @@ class Limits:
     @property
     def spread(self) -> SpreadRule:
         return SpreadRule(**{name: self.values[f"spread.{name}"] for name in SpreadRule.__dataclass_fields__})
+
+    @property
+    def pairwise(self) -> PairRule:
+        values = self.values
+        fields = ("bandwidth_bytes", "latency_bytes", "k_mads", "bandwidth_drop_pct", "latency_excess_pct")
+        floors = {}
+        for link in ("nvlink", "scaleout"):
+            warn = values.get(f"pairwise.{link}.busbw_warn_fraction")
+            fail = values.get(f"pairwise.{link}.busbw_fail_fraction")
+            floors[f"{link}_floor"] = Floor(warn, fail) if warn is not None and fail is not None else None
+        return PairRule(
+            **{name: values[f"pairwise.{name}"] for name in fields},
+            min_excess_us=values["pairwise.min_excess_us"],
+            min_pairs=values["pairwise.min_pairs"],
+            **floors,
+        )
 
     def balanced_range(self, size_bytes: int) -> str:
         """The size range of a balanced row: small, medium, large or huge (see the module docstring)."""
@@ -348,6 +401,7 @@ def _checked(key: str, raw: Any, origin: str) -> Any:
 def _check_consistent(values: Mapping[str, Any], source: str) -> None:
     """Limits that contradict each other (a FAIL floor above its WARN floor, overlapping size ranges)."""
     floors = [f"balanced.{name}" for name in BALANCED_RANGES[1:]] + [f"moe.{phase}" for phase in MOE_PHASES]
+    floors += ["pairwise.nvlink", "pairwise.scaleout"]
     for prefix in floors:
         warn, fail = values.get(f"{prefix}.busbw_warn_fraction"), values.get(f"{prefix}.busbw_fail_fraction")
         if warn is not None and fail is not None and fail > warn:
@@ -360,6 +414,12 @@ def _check_consistent(values: Mapping[str, Any], source: str) -> None:
         raise UsageError(
             f"limits ({source}): balanced.small.time_fail_us {fail_us:g} is below "
             f"balanced.small.time_warn_us {warn_us:g}; the FAIL ceiling must be at or above the WARN ceiling"
+        )
+    drift_warn, drift_fail = values.get("soak.drift_warn_pct"), values.get("soak.drift_fail_pct")
+    if drift_warn is not None and drift_fail is not None and drift_fail < drift_warn:
+        raise UsageError(
+            f"limits ({source}): soak.drift_fail_pct {drift_fail:g} is below soak.drift_warn_pct "
+            f"{drift_warn:g}; the FAIL drift must be at or above the WARN drift"
         )
     small, large, huge = (
         values.get(f"balanced.{name}") for name in ("small.max_bytes", "large.min_bytes", "huge.min_bytes")

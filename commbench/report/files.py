@@ -43,18 +43,22 @@ from commbench.report.folder import (
     ReportWriteError,
     check_claim,
     claim_out_dir,
+    csv_text,
     write_atomic,
 )
 from commbench.report.frame import (
     CONVENTIONS,
     average_bus_bandwidth,
     balanced_rows,
+    canonical_rows,
     rank_frame,
     results_frame,
 )
 from commbench.report.html import incomplete_reason, report_html, summary_markdown
 from commbench.report.junit import write_junit
+from commbench.report.pairs import PAIRS_FILE
 from commbench.report.reading import RANK_COLUMNS, RESULT_COLUMNS, read_meta, read_report, read_rows
+from commbench.report.sections import HEALTH_FILE, ExtraTables, read_extra_tables
 from commbench.report.verdict import VERDICT_FILE, Verdict, read_verdict_json, write_verdict_json
 
 # Judges a finished (or stopped) run: (results frame, rank frame, meta) -> its Verdict (cli.acceptance).
@@ -156,6 +160,7 @@ class ReportWriter:
         self._ranks = CsvAppender(self.out_dir / "ranks.csv")
         self._rows: list[dict[str, Any]] = []
         self._rank_rows: list[dict[str, Any]] = []
+        self._extras = read_extra_tables(self.out_dir) if resume else ExtraTables()
         if resume:  # --resume: the interrupted run's rows stay, new ones are appended after them
             for appender, rows, name, columns in (
                 (self._results, self._rows, "results.csv", RESULT_COLUMNS),
@@ -188,6 +193,15 @@ class ReportWriter:
             self._guarded(self._ranks.append, file_records(rank_frame(rank_rows)))
             self._rank_rows.extend(rank_rows)
 
+    def set_table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        """Write one of the tables beside results.csv whole (``PAIRS_FILE``: the pairwise link test,
+        ``HEALTH_FILE``: GPU health), replacing an earlier one; the pages show it."""
+        frame = pd.DataFrame(rows)
+        columns = list(frame.columns)
+        self._write(self.out_dir / name, csv_text(file_records(frame), columns, header=True))
+        field = {PAIRS_FILE: "pairs", HEALTH_FILE: "health"}[name]
+        self._extras = replace(self._extras, **{field: canonical_rows(frame)})
+
     def finalize(self, incomplete: str | None = None, judge: Judge | None = None) -> pd.DataFrame:
         """Write results.parquet, results.json, the verdict (verdict.json, junit.xml: ``judge``'s), summary.md
         and report.html from the rows added; return the results frame (``attrs["verdict"]``: the verdict).
@@ -206,7 +220,7 @@ class ReportWriter:
             self._write(self.out_dir / "meta.json", json.dumps(plain(self.meta), indent=2) + "\n")
         ranks = rank_frame(self._rank_rows)
         verdict = judge(frame, ranks, self.meta) if judge is not None else None
-        pages = report_pages(frame, ranks, self.meta, self.spec, verdict)
+        pages = report_pages(frame, ranks, self.meta, self.spec, verdict, self._extras)
         self._guarded(write_pages, self.out_dir, pages)
         frame.attrs["verdict"] = verdict  # after rendering: parquet stores attrs as JSON
         return frame
@@ -223,7 +237,8 @@ def render_report(out_dir: str | os.PathLike[str]) -> pd.DataFrame:
     spec = spec_from_meta(meta, str(Path(out_dir) / "meta.json"))
     verdict = saved_verdict(out_dir)  # checked before anything is written
     frame = results_frame(results, spec)
-    pages = replace(report_pages(frame, rank_frame(ranks), meta, spec, verdict), new_verdict=False)
+    extras = read_extra_tables(out_dir)
+    pages = replace(report_pages(frame, rank_frame(ranks), meta, spec, verdict, extras), new_verdict=False)
     write_pages(Path(out_dir), pages)
     frame.attrs["incomplete"] = incomplete_reason(meta)
     frame.attrs["verdict"] = verdict
@@ -250,7 +265,7 @@ def mark_incomplete(
     frame = results_frame(results, spec)
     ranks_frame = rank_frame(ranks)
     verdict = judge(frame, ranks_frame, meta) if judge is not None else None
-    pages = report_pages(frame, ranks_frame, meta, spec, verdict)
+    pages = report_pages(frame, ranks_frame, meta, spec, verdict, read_extra_tables(path))
     write_atomic(meta_path, json.dumps(plain(meta), indent=2) + "\n")
     write_pages(path, pages)
     frame.attrs["incomplete"] = incomplete_reason(meta)
@@ -280,6 +295,7 @@ def report_pages(
     meta: dict[str, Any],
     spec: SystemSpec,
     verdict: Verdict | None = None,
+    extras: ExtraTables | None = None,
 ) -> ReportPages:
     """results.parquet, results.json, summary.md and report.html of a run, rendered in memory; the pages
     open with ``verdict`` (None: "no verdict", INCOMPLETE)."""
@@ -290,8 +306,8 @@ def report_pages(
     return ReportPages(
         parquet=buffer.getvalue(),
         results_json=json.dumps(results_json(frame, meta, spec), indent=2) + "\n",
-        summary_md=summary_markdown(frame, meta, spec, verdict),
-        report_html=report_html(frame, ranks, meta, spec, verdict),
+        summary_md=summary_markdown(frame, meta, spec, verdict, extras),
+        report_html=report_html(frame, ranks, meta, spec, verdict, extras),
         verdict=verdict,
     )
 

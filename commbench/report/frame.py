@@ -348,3 +348,23 @@ def average_bus_bandwidth(frame: pd.DataFrame) -> float:
     values = rows["busbw_mean_GBps"].astype(float)
     values = values[np.isfinite(values)]
     return float(values.mean()) if len(values) else math.nan
+
+
+PAIR_DERIVED_COLUMNS = ("GBps", "spec_GBps", "pct_spec")
+
+
+def pair_frame(pair_rows: Iterable[dict[str, Any]] | pd.DataFrame, spec: SystemSpec) -> pd.DataFrame:
+    """Pairwise link test rows (pairs.csv: src, dst, test, size_bytes, time_us, link_class, ...) plus the
+    direction's GB/s (size / time: one message's bytes, one way), the spec it is compared with (NVLink per
+    direction for an nvlink pair, the NIC line rate per direction for a scaleout pair; NaN without a spec)
+    and %spec. A latency row's GB/s is computed the same way and means little (8-byte messages)."""
+    frame = pd.DataFrame(list(pair_rows)) if not isinstance(pair_rows, pd.DataFrame) else pair_rows.copy()
+    frame = frame.drop(columns=[c for c in PAIR_DERIVED_COLUMNS if c in frame.columns])
+    if frame.empty:
+        return frame
+    frame["GBps"] = gbps(_numeric(frame, "size_bytes"), _numeric(frame, "time_us"))
+    per_class = {"nvlink": spec.nvlink_GBps_per_direction, "scaleout": spec.nic_GBps_per_direction}
+    classes = frame["link_class"].astype(str) if "link_class" in frame.columns else pd.Series("", frame.index)
+    frame["spec_GBps"] = classes.map(lambda name: float(per_class.get(name, math.nan))).astype(float)
+    frame["pct_spec"] = 100.0 * frame["GBps"] / frame["spec_GBps"].where(frame["spec_GBps"] > 0)
+    return frame

@@ -7,9 +7,7 @@ matplotlib's object API (no pyplot: no global state, no display backend needed).
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 from typing import Any
 
 import numpy as np
@@ -20,6 +18,15 @@ from commbench.plain import is_missing
 from commbench.report.frame import CONVENTIONS, average_bus_bandwidth, balanced_rows
 from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
 from commbench.report.modes import check_text, timing_text
+from commbench.report.sections import (
+    PNG_URL,
+    ExtraTables,
+    figure_png,
+    health_section,
+    pairs_html,
+    pairs_markdown,
+)
+from commbench.report.soak import soak_figure
 from commbench.report.tables import (
     SKEW_COST_NOTE,
     any_emulated,
@@ -114,10 +121,14 @@ def _cpu_run_note(spec: SystemSpec) -> str | None:
 
 
 def summary_markdown(
-    frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec, verdict: Verdict | None = None
+    frame: pd.DataFrame,
+    meta: dict[str, Any],
+    spec: SystemSpec,
+    verdict: Verdict | None = None,
+    extras: ExtraTables | None = None,
 ) -> str:
     """summary.md: the verdict, the headline figures against the spec, a table per pattern, link classes,
-    skew cost, then the environment and the conventions."""
+    skew cost, the pairwise link test, then the environment and the conventions."""
     frame = with_knob_setting(frame)
     parts = ["# commbench report", ""]
     if incomplete_note(meta):
@@ -144,6 +155,8 @@ def summary_markdown(
     spread = window_spread_table(frame, "markdown")
     if spread:
         parts += ["## Spread over windows", "", WINDOW_NOTE, "", spread, ""]
+    parts += pairs_markdown(extras or ExtraTables(), spec)
+    parts += health_section(extras or ExtraTables(), "markdown")
     parts += ["## Environment", ""]
     parts += [f"- {key}: `{value}`" for key, value in environment_lines(meta)]
     parts += ["", "## Conventions", ""]
@@ -163,7 +176,6 @@ def _convention_lines(frame: pd.DataFrame, meta: dict[str, Any]) -> list[tuple[s
     return [(label, text) for label, text in lines if text]
 
 
-_PNG_URL = "data:image/png;base64,"
 _HTML_STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; max-width: 1400px; }
 table { border-collapse: collapse; margin: 0.5em 0 1.5em; font-size: 0.9em; }
@@ -179,6 +191,8 @@ img { max-width: 100%; }
 .verdict.PASS { color: #060; } .verdict.WARN { color: #a60; }
 .verdict.FAIL, .verdict.stopped { color: #a00; }
 .wide td { white-space: nowrap; }
+.heatmaps { display: flex; flex-wrap: wrap; gap: 1em; align-items: flex-start; }
+.heatmaps img { max-width: 32%; min-width: 420px; }
 """
 
 
@@ -188,6 +202,7 @@ def report_html(
     meta: dict[str, Any],
     spec: SystemSpec,
     verdict: Verdict | None = None,
+    extras: ExtraTables | None = None,
 ) -> str:
     """A self-contained HTML page in summary.md's order, with plots (PNG embedded as base64) after the
     tables."""
@@ -213,9 +228,13 @@ def report_html(
         ),
         *((f"Per-rank bytes: {title}", png) for title, png in _plot_ranks(ranks)),
     ]
+    soak = soak_figure(frame)
+    if soak is not None:  # a soak run: bandwidth over time first of the plots
+        plots.insert(0, ("Soak: bandwidth per window over time", figure_png(soak)))
+        plots = plots[:1] + plots[2:]  # one plot of the balanced sweep is a single size: drop it
     for title, png in plots[:2]:
         if png:
-            body.append(f'<h3>{esc(title)}</h3><img alt="{esc(title)}" src="{_PNG_URL}{png}">')
+            body.append(f'<h3>{esc(title)}</h3><img alt="{esc(title)}" src="{PNG_URL}{png}">')
     body.append("<h2>Results</h2>")
     if not frame.empty:
         body.append(f"<p>{esc(time_note(spec))}</p>")
@@ -238,11 +257,13 @@ def report_html(
             f"<p>{esc(WINDOW_NOTE)}</p>",
             f'<div class="wide">{spread}</div>',
         ]
+    body += pairs_html(extras or ExtraTables(), spec, verdict)
+    body += health_section(extras or ExtraTables(), "html")
     if any(png for _, png in plots[2:]):
         body.append("<h2>Per rank</h2>")
     for title, png in plots[2:]:
         if png:
-            body.append(f'<h3>{esc(title)}</h3><img alt="{esc(title)}" src="{_PNG_URL}{png}">')
+            body.append(f'<h3>{esc(title)}</h3><img alt="{esc(title)}" src="{PNG_URL}{png}">')
     environment = format_table(["item", "value"], environment_lines(meta), "html", text_columns={0, 1})
     body += ["<h2>Environment</h2>", environment, "<h2>Conventions</h2>"]
     body += [f"<p>{esc(label)}: {esc(text)}.</p>" for label, text in _convention_lines(frame, meta)]
@@ -255,12 +276,6 @@ def report_html(
 
 # ----------------------------------------------------------------------------------------------------------
 # Plots
-
-
-def _figure_png(figure: Any) -> str:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def _balanced_rows(frame: pd.DataFrame) -> pd.DataFrame:
@@ -298,7 +313,7 @@ def _plot_balanced(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
     axes.set_title("Balanced all-to-all: bus bandwidth vs size (time: the mean, as nccl-tests)")
     axes.grid(True, which="both", alpha=0.3)
     axes.legend(fontsize="small")
-    return _figure_png(figure)
+    return figure_png(figure)
 
 
 def _case_label(record: dict[str, Any]) -> str:
@@ -356,7 +371,7 @@ def _plot_per_gpu_vs_spec(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
     axes.grid(True, axis="y", which="both", alpha=0.3)
     if has_figures(spec):
         axes.legend(fontsize="small")
-    return _figure_png(figure)
+    return figure_png(figure)
 
 
 def _rank_case_title(values: dict[str, Any]) -> str:
@@ -407,5 +422,5 @@ def _plot_ranks(ranks: pd.DataFrame) -> list[tuple[str, str]]:
             axes.set_title(phase)
             axes.legend(fontsize="x-small")
         figure.suptitle(title)
-        plots.append((title, _figure_png(figure)))
+        plots.append((title, figure_png(figure)))
     return plots

@@ -86,6 +86,7 @@ _META_TYPES: dict[str, tuple[type, ...]] = {
     "subcommand": (str, _NULL),
     "args": (dict, _NULL),
     "backend_choice": (str, _NULL),
+    "launcher": (str, _NULL),
     "argv": (list,),
     "command": (str, _NULL),
     "env": (dict, _NULL),
@@ -181,6 +182,22 @@ def read_rows(path: str | os.PathLike[str], required: Sequence[str] = RESULT_COL
     return canonical_rows(frame)
 
 
+def read_table(path: str | os.PathLike[str], required: Sequence[str]) -> pd.DataFrame:
+    """A table a run wrote beside results.csv (pairs.csv, health.csv): bounded, UTF-8, whole rows, the
+    ``required`` columns present; cells as pandas reads them (numbers where a column holds numbers).
+    UsageError naming the file."""
+    where = f"report file {show_path(path)}"
+    text = decode_user_text(read_user_bytes(path, "report file", MAX_CSV_BYTES), where)
+    header, _ = _whole_rows(text, where)
+    missing = [column for column in required if column not in header]
+    if missing:
+        raise UsageError(f"{where}: the rows lack column(s) {', '.join(missing)}; {_DAMAGED}")
+    try:
+        return pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
+    except (ValueError, pd.errors.ParserError) as exc:
+        raise UsageError(f"{where}: {clip(str(exc))}; {_DAMAGED}") from None
+
+
 def _whole_rows(text: str, where: str) -> tuple[list[str], list[int]]:
     """(header, the line each row ends on) of CSV ``text`` whose rows are all whole; UsageError otherwise."""
     if not text.strip():
@@ -235,14 +252,15 @@ def _numbers(values: pd.Series, whole: bool, where: str, lines: list[int]) -> pd
 
 def read_report(out_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
     """(meta, results rows, rank rows) of a report folder, as written, every file checked; UsageError naming
-    the file. A stopped run (meta.json status "incomplete") may have no results.csv yet: no rows."""
+    the file. A stopped run (meta.json status "incomplete") may have no results.csv yet, and a run of the
+    pairwise link test alone (pairs.csv) has none: no rows."""
     path = Path(out_dir)
     meta_path = path / "meta.json"
     meta = read_meta(meta_path) if meta_path.exists() else {}
     results_csv = path / "results.csv"
     if results_csv.exists():
         results = read_rows(results_csv, RESULT_COLUMNS)
-    elif meta.get("status") == "incomplete":
+    elif meta.get("status") == "incomplete" or (meta and (path / "pairs.csv").is_file()):
         results = pd.DataFrame()
     else:
         raise UsageError(f"{str(results_csv)!r} not found; pass a report folder written by 'commbench run'")

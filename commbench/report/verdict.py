@@ -7,7 +7,10 @@ spec (None for a CPU run), the rank-spread outcomes (``commbench.report.outliers
 - ``run``: completion (no timeout, no dead rank); ``data``: #wrong == 0; ``harness``: every row timed;
 - ``balanced``: each balanced all-to-all row against its size range's floor or latency ceiling;
 - ``moe``: each dispatch / combine row against its phase's floor;
-- ``spread``: each case's rank outliers (FAIL only when confirmed by reruns).
+- ``spread``: each case's rank outliers (FAIL only when confirmed by reruns);
+- from other modules, through ``extra``: ``pairwise`` (``report.pairs``: each ordered pair against its
+  link class), ``preflight`` and ``health`` (``report.preflight``: GPUs before the run, counters after),
+  ``soak`` (``report.soak``: drift over a --soak run), ``baseline`` (``report.compare``).
 
 A CPU run (no spec) judges data, completion, harness and spread; bandwidth checks SKIP "CPU run: no GPU
 spec". Emulated rows (mock, sim) SKIP their bandwidth checks too.
@@ -52,7 +55,7 @@ STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
 OVERALL = ("PASS", "WARN", "FAIL", "INCOMPLETE")
 FAULT_STATES = ("timed_out", "rank_died")  # the run ended because the fabric or a rank failed: exit 4
 RUN_STATES = ("complete", "interrupted", *FAULT_STATES, "wrong_data", "could_not_run", "incomplete")
-GROUPS = ("run", "data", "harness", "balanced", "moe", "spread")
+GROUPS = ("run", "preflight", "data", "harness", "balanced", "moe", "spread", "pairwise", "soak", "health")
 CPU_SKIP = "CPU run: no GPU spec"
 _LINK_REMEDY = (
     "check `nvidia-smi nvlink -s` (link speeds), `nvidia-smi nvlink -e` (error counters) and `nvidia-smi -q "

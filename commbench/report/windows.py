@@ -17,11 +17,26 @@ WINDOW_NOTE = (
 )
 
 
-def _busbw(rows: pd.DataFrame) -> pd.Series:
+def busbw_per_window(rows: pd.DataFrame) -> pd.Series:
+    """Each row's busbw as the window spread compares it: balanced rows from the mean time, MoE from p50."""
     balanced = rows["phase"].astype(str).eq("alltoall")
     mean_based = pd.to_numeric(rows.get("busbw_mean_GBps"), errors="coerce")
     p50_based = pd.to_numeric(rows.get("busbw_GBps"), errors="coerce")
     return mean_based.where(balanced, p50_based)
+
+
+def case_columns(frame: pd.DataFrame) -> list[str]:
+    """The columns that make a case (rows of one case in different windows differ only in ``window``)."""
+    return [column for column in _CASE_COLUMNS if column in frame.columns]
+
+
+def case_name(frame: pd.DataFrame, key: object) -> str:
+    """ "balanced 16777216 B alltoall", "deepseek-v3 zipf:1.2 dispatch": a case from its group key."""
+    values = dict(zip(case_columns(frame), key if isinstance(key, tuple) else (key,), strict=True))
+    case = values.get("skew") if values.get("phase") != "alltoall" else f"{int(values['size_bytes'])} B"
+    setting = values.get(KNOB_SETTING_COLUMN)
+    parts = [values.get("pattern"), case, values.get("phase"), f"[{setting}]" if setting else None]
+    return " ".join(str(part) for part in parts if part is not None and part == part and part != "")
 
 
 def _stats(values: pd.Series) -> tuple[float, float, float]:
@@ -38,9 +53,9 @@ def window_spread_table(frame: pd.DataFrame, style: str) -> str | None:
     windows = pd.to_numeric(frame["window"], errors="coerce").fillna(0)
     if windows.max() < 1:
         return None
-    keys = [column for column in _CASE_COLUMNS if column in frame.columns]
+    keys = case_columns(frame)
     rows = []
-    for key, group in frame.assign(_busbw=_busbw(frame)).groupby(keys, dropna=False, sort=False):
+    for key, group in frame.assign(_busbw=busbw_per_window(frame)).groupby(keys, dropna=False, sort=False):
         if len(group) < 2:
             continue
         values = dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True))

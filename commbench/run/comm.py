@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from commbench.errors import CommbenchError, CommError, UsageError
 from commbench.run.heartbeats import Board, StoreBoard, beat_interval_s
+from commbench.run.launch_env import adopt_slurm_task, external_devices_fit, launcher, rank_device
 from commbench.run.liveness import RankMonitor, current_monitor
 from commbench.run.nccl_env import apply_nccl_error_env
 
@@ -195,7 +196,11 @@ def is_rank0_process() -> bool:
 
 def resolve_world_size(world_size: int | None) -> int:
     """The number of ranks: torchrun's WORLD_SIZE (``world_size`` must agree or be None), else
-    ``world_size`` (required). UsageError otherwise."""
+    ``world_size`` (required). UsageError otherwise.
+
+    The first thing every launching command calls: a Slurm task started by srun gets torchrun's variables
+    here (``run.launch_env.adopt_slurm_task``, which also says when ``world_size`` means local ranks)."""
+    adopt_slurm_task(world_size)
     if running_under_torchrun():
         try:
             launched = int(os.environ["WORLD_SIZE"])
@@ -209,7 +214,8 @@ def resolve_world_size(world_size: int | None) -> int:
         return launched
     if world_size is None or world_size < 1:
         raise UsageError(
-            "--world-size is required outside torchrun; pass e.g. --world-size 4 (one local process per rank)"
+            "--world-size is required outside torchrun and srun; pass e.g. --world-size 4 (one local process "
+            "per rank)"
         )
     return world_size
 
@@ -232,21 +238,27 @@ def process_group_backend(backend: str) -> str:
 
 def resolve_backend(backend: str, world_size: int) -> tuple[str, str]:
     """(benchmark backend, why) for ``world_size`` ranks. auto = nccl with a CUDA device per rank (any
-    under torchrun), else gloo; nccl and nvshmem need a CUDA device per rank on this host (UsageError)."""
+    under torchrun or srun), else gloo. nccl and nvshmem need a CUDA device per rank: spawned ranks one each
+    on this host, torchrun/srun ranks one per local rank or exactly one visible to each task (per-task
+    binding, ``run.launch_env.rank_device``); UsageError otherwise."""
     devices = torch.cuda.device_count()
+    external = running_under_torchrun()
     if backend != "auto":
         chosen, reason = backend, f"{backend} (as requested)"
-    elif running_under_torchrun() and devices >= 1:
-        chosen, reason = "nccl", f"auto: torchrun with {devices} local CUDA device(s) -> nccl"
+    elif external and devices >= 1:
+        started_by = "srun" if launcher() == "slurm" else "torchrun"
+        chosen, reason = "nccl", f"auto: {started_by} with {devices} local CUDA device(s) -> nccl"
     elif devices >= max(1, world_size):
         chosen, reason = "nccl", f"auto: {devices} CUDA device(s) for {world_size} ranks -> nccl"
     else:
         chosen = "gloo"
         reason = f"auto: {devices} CUDA device(s) for {world_size} ranks -> gloo (CPU processes)"
     local = _local_world_size(world_size)
-    if chosen in _NCCL_BACKENDS and devices < local:
+    fits = external_devices_fit(local, devices) if external else devices >= local
+    if chosen in _NCCL_BACKENDS and not fits:
+        per_task = " (one per local rank, or exactly 1 per task)" if external else ""
         raise UsageError(
-            f"backend {chosen} needs {local} CUDA device(s) on this host, found {devices}; use "
+            f"backend {chosen} needs {local} CUDA device(s) on this host{per_task}, found {devices}; use "
             "--backend gloo (CPU) or fewer ranks"
         )
     return chosen, reason
@@ -273,7 +285,9 @@ def init_comm(
     backend = process_group_backend(resolve_backend(backend, world_size)[0])
     group_timeout_s = float(timeout_s)
     if backend == "nccl":
-        device = torch.device("cuda", local_rank)
+        # One device per local rank, or the one device a per-task binding shows (srun --gpus-per-task=1).
+        local_world_size = _local_world_size(world_size)
+        device = torch.device("cuda", rank_device(local_rank, local_world_size, torch.cuda.device_count()))
         torch.cuda.set_device(device)
         # Before the group exists (torch reads them then): a failed or timed-out NCCL collective becomes a
         # Python error here, and torch's own kill comes after commbench's watchdog (run.nccl_env).

@@ -122,10 +122,17 @@ class RunOptions:
     # Test hook (--inject-delay RANK:US): (rank, seconds) pairs; that rank sleeps this long before each
     # phase call of every timed iteration, inside the timer, so acceptance tests can plant a straggler.
     inject_delay: tuple[tuple[int, float], ...] = ()
+    # Test hook (--inject-delay SRC-DST:US): (src, dst, seconds); in the pairwise link test SRC sleeps this
+    # long before each timed send to DST (run.pairwise), so that exactly that direction is slow.
+    pair_delay: tuple[tuple[int, int, float], ...] = ()
 
     def delay_s(self, rank: int) -> float:
         """The injected delay of ``rank`` before each timed call, in seconds (0: none)."""
         return sum(seconds for delayed, seconds in self.inject_delay if delayed == rank)
+
+    def pair_delay_s(self, src: int, dst: int) -> float:
+        """The injected delay before each timed send from ``src`` to ``dst`` (pairwise test), in seconds."""
+        return sum(seconds for a, b, seconds in self.pair_delay if (a, b) == (src, dst))
 
     def check(self, world_size: int) -> None:
         """UsageError for an unknown corruption phase or check mode, or layout overrides that do not fit
@@ -138,6 +145,14 @@ class RunOptions:
             if not 0 <= rank < world_size:
                 raise UsageError(
                     f"--inject-delay names rank {rank}, but ranks are 0..{world_size - 1}; pick one of them"
+                )
+            if not 0 < seconds <= MAX_INJECT_DELAY_S:
+                limit_us = MAX_INJECT_DELAY_S * 1e6
+                raise UsageError(f"--inject-delay {seconds * 1e6:g} us is out of range; use 1..{limit_us:g}")
+        for src, dst, seconds in self.pair_delay:
+            if not (0 <= src < world_size and 0 <= dst < world_size) or src == dst:
+                raise UsageError(
+                    f"--inject-delay {src}-{dst} needs two different ranks in 0..{world_size - 1}; pick them"
                 )
             if not 0 < seconds <= MAX_INJECT_DELAY_S:
                 limit_us = MAX_INJECT_DELAY_S * 1e6

@@ -143,7 +143,11 @@ def test_overrides_replace_one_key_each():
             "balanced.large.busbw_fial_fraction=0.5",
             "unknown key; did you mean balanced.large.busbw_fail_fraction",
         ),
-        ("nonsense.key=1", "unknown key; known groups: balanced, completion, correctness, moe, spread"),
+        (
+            "nonsense.key=1",
+            "unknown key; known groups: balanced, completion, correctness, health, moe, pairwise, soak, "
+            "spread",
+        ),
         ("Balanced.Large=1", "is not a limit name"),
         ("balanced.large.busbw_fail_fraction=", "no value after '='; e.g. --limit balanced.large"),
         ("balanced.large.busbw_fail_fraction=abc", "'abc' is not a number; it is a fraction of the spec"),

@@ -13,7 +13,7 @@ import pandas as pd
 
 from commbench.report import read_meta, read_rows
 from commbench.report.folder import MARKER
-from commbench.report.reading import RANK_COLUMNS, RESULT_COLUMNS
+from commbench.report.reading import RANK_COLUMNS, RESULT_COLUMNS, read_table
 from commbench.report.verdict import read_verdict_json
 
 KNOWN_FILES = {
@@ -23,6 +23,8 @@ KNOWN_FILES = {
     "junit.xml",
     "results.csv",
     "ranks.csv",
+    "pairs.csv",
+    "health.csv",
     "results.parquet",
     "results.json",
     "summary.md",
@@ -55,6 +57,10 @@ def assert_folder_readable(folder: Path) -> set[str]:
         if name in names:
             assert_whole_csv(folder / name)
             read_rows(folder / name, required)
+    for name, columns in (("pairs.csv", ("test", "src", "dst", "time_us")), ("health.csv", ("rank", "host"))):
+        if name in names:
+            assert_whole_csv(folder / name)
+            read_table(folder / name, columns)
     if "results.json" in names:
         json.loads((folder / "results.json").read_text())
     if "verdict.json" in names:

@@ -1,0 +1,112 @@
+"""The pairwise link test inside a launch: run every pair (``run.pairwise``), judge the pairs on rank 0
+(``report.pairs``), rerun the flagged ones to confirm them, and hand the rows and verdict elements back."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    from commbench.inputs.layout import Layout
+    from commbench.inputs.limits import Limits
+    from commbench.inputs.specs import SystemSpec
+    from commbench.report.verdict import Element
+    from commbench.run.jobs import RunOptions
+    from commbench.run.pairwise import PairwiseJob
+
+
+@dataclass
+class LinkTestOutcome:
+    """Rank 0's result of the pairwise link test (other ranks: empty): pairs.csv rows, verdict elements,
+    the bytes found wrong, how long it took."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    elements: list[Element] = field(default_factory=list)
+    wrong: int = 0
+    seconds: float = 0.0
+
+
+def _progress_printer(started: float) -> Any:
+    """Prints a line at about every tenth of the rounds (and the last): big racks have 71 rounds."""
+    shown: set[int] = set()
+
+    def show(done: int, total: int) -> None:
+        step = max(total // 10, 1)
+        if done % step and done != total:
+            return
+        if done in shown:
+            return
+        shown.add(done)
+        spent = time.monotonic() - started
+        left = spent / done * (total - done)
+        click.echo(f"commbench: pairwise round {done}/{total}, {spent:.1f} s, ~{left:.0f} s left", err=True)
+
+    return show
+
+
+def run_link_test(
+    comm: Any, job: PairwiseJob, opts: RunOptions, layout: Layout, limits: Limits | None, spec: SystemSpec
+) -> LinkTestOutcome:
+    """Collective: the full schedule, then ``spread.confirm_reruns`` reruns of the flagged pairs; rank 0
+    returns the rows and, judged by ``limits`` (rank 0 holds them; None elsewhere, or no verdict), the
+    verdict elements."""
+    from commbench.report.frame import pair_frame
+    from commbench.report.pairs import (
+        class_stats,
+        confirm_pairs,
+        find_slow_pairs,
+        pair_elements,
+        rerun_rounds,
+    )
+    from commbench.run.pairwise import pair_rows, round_robin_rounds, run_pairwise
+
+    started = time.monotonic()
+    rounds = round_robin_rounds(comm.world_size)
+    if comm.rank == 0:
+        pairs = sum(len(r) for r in rounds)
+        click.echo(
+            f"commbench: pairwise link test: {len(rounds)} rounds of up to {comm.world_size // 2} pairs "
+            f"({pairs} pairs, both directions), {job.bandwidth_bytes} B and {job.latency_bytes} B messages",
+            err=True,
+        )
+    samples = run_pairwise(comm, job, opts, rounds, _progress_printer(started))
+    plan: tuple[list[list[tuple[int, int]]], int] | None = None
+    outcome = LinkTestOutcome()
+    if comm.rank == 0:
+        outcome.rows = pair_rows(samples, layout)
+        outcome.wrong = int(sum(int(row.get("wrong") or 0) for row in outcome.rows))
+    if comm.rank == 0 and limits is not None:
+        rule = limits.pairwise
+        frame = pair_frame(outcome.rows, spec)
+        stats = class_stats(frame, rule)
+        flags = find_slow_pairs(frame, stats, rule)
+        again = rerun_rounds(flags)
+        plan = (again, limits.spread.confirm_reruns if again else 0)
+    again, reruns = comm.all_gather_object(plan)[0]
+    rerun_frames = []
+    for _ in range(reruns):
+        rerun = run_pairwise(comm, job, opts, again)
+        if comm.rank == 0:
+            rerun_frames.append(pair_frame(pair_rows(rerun, layout), spec))
+    if comm.rank == 0 and limits is not None:
+        confirmed = confirm_pairs(flags, stats, rerun_frames, rule, limits.spread)
+        outcome.elements = pair_elements(frame, stats, confirmed, rule, limits.cpu_run)
+        outcome.wrong += int(sum(frame_wrong(f) for f in rerun_frames))
+        failed = sum(item.status == "FAIL" for item in confirmed)
+        outcome.seconds = time.monotonic() - started
+        click.echo(
+            f"commbench: pairwise link test done in {outcome.seconds:.1f} s: {len(flags)} pair result(s) "
+            f"flagged, {failed} confirmed by {reruns} rerun(s); {outcome.wrong} wrong byte(s)",
+            err=True,
+        )
+    return outcome
+
+
+def frame_wrong(frame: Any) -> int:
+    """Wrong bytes in a pair frame."""
+    if frame.empty or "wrong" not in frame.columns:
+        return 0
+    return int(frame["wrong"].fillna(0).sum())

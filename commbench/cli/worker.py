@@ -1,0 +1,239 @@
+"""What every rank of a ``run`` or ``suite`` launch does: the GPU preflight, the jobs, the slow-rank reruns,
+the pairwise link test and the health counters after; rank 0 writes the report as phases finish, the
+verdict, and prints the table.
+
+Preflight (``hardware.health``, judged by ``report.preflight``): before anything is measured every rank
+reads its GPU through NVML (links up, speeds, ECC, persistence, versions, fabric clique) and starts a watch
+of its health counters (NVLink CRC/replay/recovery, ECC, Xid events, clock slowdowns); rank 0 prints the
+findings at once, and after the last measurement every rank takes the counters again. Both go into the
+verdict (groups preflight and health) and health.csv. A CPU rank has nothing to read: every check SKIPs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from commbench.cli.progress import Progress
+
+if TYPE_CHECKING:
+    from commbench.cli.launch import LaunchPlan
+    from commbench.cli.linktest import LinkTestOutcome
+    from commbench.inputs.layout import Layout
+    from commbench.report import ReportWriter
+
+
+def launch_worker(comm: Any, plan: LaunchPlan) -> None:
+    """Every rank runs the jobs, reruns the cases with a slow rank (``cli.acceptance``) and runs the
+    pairwise link test (``cli.linktest``); rank 0 writes the report as phases finish, the verdict, and
+    prints the table."""
+    from commbench.backends import get_backend
+    from commbench.cli.acceptance import confirm_slow_ranks, make_judge, rank_names
+    from commbench.report.verdict import RunStatus, run_status_from_error
+    from commbench.run.placement import gather_layout
+
+    backend_class = get_backend(plan.options.backend)
+    layout = gather_layout(comm, plan.options)  # collective: every rank's place
+    health = _Health.start(comm, plan, layout)  # collective: before anything is measured
+    if plan.resume:  # only rank 0 can read the folder (other hosts may not see it): it says what is left
+        from commbench.cli.resume import read_interrupted, remaining_jobs
+
+        left = remaining_jobs(plan.jobs, read_interrupted(plan.out_dir)[1])[0] if comm.rank == 0 else None
+        plan = replace(plan, jobs=comm.all_gather_object(left)[0])
+    if comm.rank != 0:
+        jobs, _ = _run_cases(comm, plan, backend_class, layout, None, None)
+        if plan.acceptance is not None:
+            confirm_slow_ranks(comm, jobs, plan.options, backend_class, layout, [], plan.acceptance)
+        _link_test(comm, plan, layout, None, [])
+        health.finish(comm, None, [])
+        return
+
+    from commbench.hardware.environment import capture_environment
+    from commbench.report import ReportWriter, results_table
+    from commbench.run.liveness import deferred_stop
+    from commbench.run.nccl_env import applied
+
+    env = capture_environment()
+    env["argv"] = plan.meta.get("argv", env["argv"])
+    env["command"] = plan.meta.get("command", env["command"])
+    if (nccl_errors := applied()) is not None:  # the TORCH_NCCL_* error handling in effect, and who set it
+        env["nccl_error_handling"] = nccl_errors.to_meta()
+    meta = {**plan.meta, "env": env, "topology": layout.to_meta()}
+    # Adds the spec to meta.json; a resumed run keeps the rows already in the folder.
+    writer = ReportWriter(plan.out_dir, meta, plan.spec, plan.out_claim, resume=plan.resume)
+    click.echo(f"commbench: topology: {layout.describe()}", err=True)
+    progress = Progress(plan.total_steps, plan.spec, plan.swept_keys)
+    names = rank_names(layout)
+    extra: list[Any] = list(health.preflight)
+
+    def sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
+        with deferred_stop():  # a stop signal waits until these rows are written whole
+            writer.add(rows, rank_rows)
+            progress(rows)
+
+    try:
+        jobs, rank_rows = _run_cases(comm, plan, backend_class, layout, sink, progress)
+        outcomes = []
+        if plan.acceptance is not None:
+            outcomes = confirm_slow_ranks(
+                comm, jobs, plan.options, backend_class, layout, rank_rows, plan.acceptance
+            )
+        _link_test(comm, plan, layout, writer, extra)
+        health.finish(comm, writer, extra)
+    except BaseException as stopped_by:
+        from commbench.cli.launch import incomplete_reason
+
+        # Keep whatever finished readable (summary, html, verdict), saying INCOMPLETE and why, before the
+        # error propagates; a second stop signal meanwhile does not cut it short.
+        with deferred_stop():
+            try:
+                judge = None
+                if plan.acceptance is not None:
+                    status = run_status_from_error(stopped_by)
+                    judge = make_judge(plan.acceptance, status, (), names, extra)
+                frame = writer.finalize(incomplete=incomplete_reason(stopped_by), judge=judge)
+                if not frame.empty:
+                    click.echo(results_table(frame, writer.meta))
+            except Exception as exc:  # never mask the original error
+                click.echo(f"commbench: could not finalize the partial report: {exc}", err=True)
+        raise
+    judge = None
+    if plan.acceptance is not None:
+        judge = make_judge(plan.acceptance, RunStatus(), outcomes, names, extra)
+    frame = writer.finalize(judge=judge)
+    if not frame.empty:
+        click.echo(results_table(frame, writer.meta))
+
+
+def _run_cases(
+    comm: Any, plan: LaunchPlan, backend_class: type, layout: Layout, sink: Any, progress: Progress | None
+) -> tuple[list[Any], list[dict[str, Any]]]:
+    """Collective: the plan's jobs once, or under --soak round after round (window 0, 1, ...) until the
+    soak's time is up, rank 0 deciding for all (their clocks differ); every row of a soak gets ``soak_s``,
+    the seconds since the soak started. Returns (the jobs as run, one per round and case, in order; rank 0's
+    rank rows, whose ``job_index`` points into them)."""
+    from commbench.report.soak import SOAK_COLUMN
+    from commbench.run.harness import run_jobs
+
+    if plan.soak_s is None:
+        return plan.jobs, run_jobs(comm, plan.jobs, plan.options, backend_class, sink, layout)[1]
+    started = time.monotonic()
+
+    def soak_sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
+        elapsed = round(time.monotonic() - started, 3)
+        sink([{**row, SOAK_COLUMN: elapsed} for row in rows], rank_rows)
+
+    ran: list[Any] = []
+    rank_rows: list[dict[str, Any]] = []
+    while True:
+        jobs = [replace(job, window=len(ran) // max(len(plan.jobs), 1)) for job in plan.jobs]
+        _, rows = run_jobs(comm, jobs, plan.options, backend_class, soak_sink if sink else None, layout)
+        rank_rows += [{**row, "job_index": int(row["job_index"]) + len(ran)} for row in rows]
+        ran += jobs
+        rounds = len(ran) // max(len(plan.jobs), 1)
+        elapsed = time.monotonic() - started
+        # Another round only if it fits in the soak time at the pace so far; at least 2 rounds to compare.
+        more = rounds < 2 or elapsed + elapsed / rounds <= plan.soak_s
+        if comm.rank == 0 and progress is not None:
+            click.echo(
+                f"commbench: soak window {rounds - 1} done, {elapsed:.0f} of {plan.soak_s:.0f} s", err=True
+            )
+            expected = max(rounds + int(more), int(plan.soak_s / (elapsed / rounds)))
+            progress.total = plan.total_steps * expected
+        if not comm.all_gather_object(more if comm.rank == 0 else None)[0]:
+            return ran, rank_rows
+
+
+def _link_test(
+    comm: Any, plan: LaunchPlan, layout: Layout, writer: ReportWriter | None, elements: list[Any]
+) -> None:
+    """Collective: the pairwise link test when the plan has one; rank 0 writes pairs.csv and adds the
+    verdict elements to ``elements``. Wrong bytes then end the run with VerificationError on every rank."""
+    if plan.pairwise is None:
+        return
+    from commbench.cli.linktest import run_link_test
+    from commbench.errors import VerificationError
+    from commbench.report.pairs import PAIRS_FILE
+
+    limits = plan.acceptance.limits() if comm.rank == 0 and plan.acceptance is not None else None
+    outcome: LinkTestOutcome = run_link_test(comm, plan.pairwise, plan.options, layout, limits, plan.spec)
+    if writer is not None and outcome.rows:
+        from commbench.run.liveness import deferred_stop
+
+        with deferred_stop():
+            writer.set_table(PAIRS_FILE, outcome.rows)
+    elements.extend(outcome.elements)
+    wrong = comm.all_gather_object(outcome.wrong if comm.rank == 0 else 0)[0]
+    if wrong:
+        raise VerificationError(f"pairwise link test: {wrong} wrong byte(s) received; see pairs.csv")
+
+
+class _Health:
+    """This rank's GPU health read before the jobs and its counter watch; on rank 0 the preflight
+    elements and everyone's readings."""
+
+    def __init__(
+        self, watch: Any, healths: list[Any], before: list[Any], preflight: list[Any], names: Any,
+        tolerance: int = 0,
+    ) -> None:  # fmt: skip
+        self.watch = watch
+        self.healths = healths
+        self.before = before
+        self.preflight = preflight
+        self.names = names
+        self.tolerance = tolerance  # health.max_counter_increase
+
+    @classmethod
+    def start(cls, comm: Any, plan: LaunchPlan, layout: Layout) -> _Health:
+        """Collective: read and gather every rank's GPU health and counters; rank 0 judges the preflight
+        and prints its findings before anything is measured."""
+        from commbench.hardware.health import read_health, watch_counters
+
+        device = getattr(comm, "device", None)
+        index = device.index if device is not None and device.type == "cuda" else None
+        watch = watch_counters(index)
+        gathered = comm.all_gather_object((read_health(index), watch.before))
+        if comm.rank != 0:
+            return cls(watch, [], [], [], None)
+        from commbench.cli.acceptance import rank_names
+        from commbench.inputs.specs import load_spec
+        from commbench.report.preflight import preflight_elements
+
+        acceptance = plan.acceptance
+        spec = load_spec(acceptance.spec_name) if acceptance is not None and acceptance.spec_name else None
+        limits = acceptance.limits() if acceptance is not None else None
+        tolerance = int(limits.value("health.max_counter_increase") or 0) if limits is not None else 0
+        names = rank_names(layout)
+        healths = [item[0] for item in gathered]
+        elements = preflight_elements(healths, spec, names)
+        findings = [e for e in elements if e.status in ("FAIL", "WARN")]
+        judged = sum(e.status != "SKIP" for e in elements)
+        click.echo(
+            f"commbench: preflight: {judged} GPU check(s) judged, {len(findings)} finding(s)"
+            + ("" if judged else f" ({elements[0].message})" if elements else ""),
+            err=True,
+        )
+        for element in findings:
+            click.echo(f"commbench: preflight {element.status}: {element.message}", err=True)
+        return cls(watch, healths, [item[1] for item in gathered], elements, names, tolerance)
+
+    def finish(self, comm: Any, writer: ReportWriter | None, elements: list[Any]) -> None:
+        """Collective: every rank's counters after the run; rank 0 adds the health elements and writes
+        health.csv."""
+        after = comm.all_gather_object(self.watch.finish())
+        if comm.rank != 0 or writer is None:
+            return
+        from commbench.report.preflight import counter_elements, health_frame
+        from commbench.report.sections import HEALTH_FILE
+        from commbench.run.liveness import deferred_stop
+
+        found = counter_elements(self.before, after, self.names, max_increase=self.tolerance)
+        elements.extend(found)
+        for element in found:
+            if element.status in ("FAIL", "WARN"):
+                click.echo(f"commbench: health {element.status}: {element.message}", err=True)
+        with deferred_stop():
+            writer.set_table(HEALTH_FILE, health_frame(self.healths, self.before, after).to_dict("records"))

@@ -1,0 +1,47 @@
+"""suite --soak on 4 gloo ranks: the cases repeat until the time is up, each row knows when it ran, the drift
+of every case is in the verdict, the plot in report.html; bad durations and conflicts refused."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from commbench.report.verdict import read_verdict_json
+from tests.cli.test_acceptance import commbench, last_line
+
+SOAK = ["suite", "--quick", "--world-size", "4", "--backend", "gloo", "--no-pairwise", "--skew", "zipf:1.2"]
+
+
+def test_a_short_soak_repeats_the_cases_and_judges_their_drift(tmp_path: Path) -> None:
+    out = tmp_path / "soak"
+    result = commbench([*SOAK, "--soak", "4s", "--out", str(out)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert last_line(result).startswith("commbench verdict: PASS")
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    windows = {int(row["window"]) for row in rows}
+    assert len(windows) >= 2 and len(rows) == 3 * len(windows)  # one balanced size + dispatch + combine
+    assert {row["size_bytes"] for row in rows if row["phase"] == "alltoall"} == {str(1 << 20)}
+    times = [float(row["soak_s"]) for row in rows]
+    assert times == sorted(times) and times[0] > 0
+    verdict = read_verdict_json(out / "verdict.json")
+    drift = [e for e in verdict.elements if e.group == "soak"]
+    assert len(drift) == 3 and all(e.name.endswith("drift") and e.status == "PASS" for e in drift)
+    assert "Soak: bandwidth per window over time" in (out / "report.html").read_text()
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--soak", "0s"], "is not a duration"),
+        (["--soak", "10x"], "is not a duration"),
+        (["--soak", "8d"], "is not a duration"),
+        (["--soak", "1m", "--repeat", "2"], "leave out --repeat"),
+    ],
+)
+def test_bad_soak_input_is_refused_before_launch(tmp_path: Path, args: list[str], words: str) -> None:
+    out = tmp_path / "bad"
+    result = commbench([*SOAK, *args, "--out", str(out)], tmp_path)
+    assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()

@@ -1,0 +1,109 @@
+"""The pairwise link test on real gloo ranks: the round-robin schedule, every ordered pair measured and
+checked, an injected delay slowing exactly one direction, and corruption below commbench counted."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from commbench.errors import UsageError
+from commbench.run.dist import launch
+from commbench.run.jobs import RunOptions
+from commbench.run.pairwise import POISON, PairwiseJob, payload, round_robin_rounds, run_pairwise
+
+DELAY_S = 0.03  # far above any gloo message time on a busy 2-core machine (< 5 ms seen)
+
+
+@pytest.mark.parametrize("world", range(2, 10))
+def test_rounds_hold_every_pair_once_in_disjoint_rounds(world: int) -> None:
+    rounds = round_robin_rounds(world)
+    assert len(rounds) == (world - 1 if world % 2 == 0 else world)
+    pairs = [pair for pairs in rounds for pair in pairs]
+    assert sorted(pairs) == list(itertools.combinations(range(world), 2))
+    for pairs in rounds:
+        ranks = [rank for pair in pairs for rank in pair]
+        assert len(ranks) == len(set(ranks)) and len(pairs) == world // 2
+
+
+def test_payload_never_holds_the_poison_and_differs_per_direction() -> None:
+    forward = payload(1, 2, 4096, torch.device("cpu"))
+    assert not bool((forward == POISON).any())
+    assert not torch.equal(forward, payload(2, 1, 4096, torch.device("cpu")))
+
+
+def test_a_one_rank_world_or_empty_message_is_refused() -> None:
+    with pytest.raises(UsageError, match="at least 2 ranks"):
+        PairwiseJob(1024).check(1)
+    with pytest.raises(UsageError, match="at least 1 byte"):
+        PairwiseJob(0).check(4)
+
+
+def _measure(comm: Any, pair_delay: tuple, corrupt: tuple | None) -> list[dict[str, Any]]:
+    if corrupt is not None and comm.rank == corrupt[1]:
+        _corrupt_receives_from(corrupt[0])
+    opts = RunOptions(backend="gloo", pair_delay=pair_delay)
+    return run_pairwise(comm, PairwiseJob(bandwidth_bytes=64 << 10, warmup=1, iters=3), opts)
+
+
+def _corrupt_receives_from(src: int) -> None:
+    """A transport that flips a byte of every message from ``src`` after it arrived (a fault below
+    commbench): wraps torch.distributed's batched point-to-point call in this rank's process."""
+    real = dist.batch_isend_irecv
+
+    class Flipping:
+        def __init__(self, work: Any, tensor: torch.Tensor) -> None:
+            self.work, self.tensor = work, tensor
+
+        def wait(self, *args: Any) -> Any:
+            result = self.work.wait(*args)
+            self.tensor[0] = 253  # no payload byte (values < 251) and not the poison: plainly wrong
+            return result
+
+    def batch(ops: list[dist.P2POp]) -> list[Any]:
+        works = real(ops)
+        return [
+            Flipping(work, op.tensor) if op.op is dist.irecv and op.peer == src else work
+            for op, work in zip(ops, works, strict=True)
+        ]
+
+    dist.batch_isend_irecv = batch
+
+
+def _times(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int], float]:
+    return {(row["test"], row["src"], row["dst"]): row["time_us"] for row in rows}
+
+
+def test_every_ordered_pair_is_measured_and_checked_on_gloo() -> None:
+    rows = launch(4, _measure, ((), None), "gloo", 120)
+    keys = sorted((row["test"], row["src"], row["dst"]) for row in rows)
+    expected = [
+        (t, a, b) for t in ("bandwidth", "bidir", "latency") for a in range(4) for b in range(4) if a != b
+    ]
+    assert keys == sorted(expected)
+    assert all(row["wrong"] == 0 and row["time_us"] > 0 for row in rows)
+    assert {row["size_bytes"] for row in rows if row["test"] == "latency"} == {8}
+    assert {row["size_bytes"] for row in rows if row["test"] != "latency"} == {64 << 10}
+
+
+@pytest.mark.parametrize(("src", "dst"), [(1, 2), (2, 1)])
+def test_an_injected_pair_delay_slows_exactly_that_direction(src: int, dst: int) -> None:
+    rows = launch(4, _measure, (((src, dst, DELAY_S),), None), "gloo", 120)
+    times = _times(rows)
+    slow = {key for key, time_us in times.items() if time_us >= DELAY_S * 1e6}
+    assert slow == {(test, src, dst) for test in ("latency", "bandwidth", "bidir")}, times
+
+
+def test_bytes_corrupted_below_commbench_are_counted_on_that_pair_only() -> None:
+    rows = launch(4, _measure, ((), (3, 0)), "gloo", 120)
+    wrong = {(row["test"], row["src"], row["dst"]): row["wrong"] for row in rows if row["wrong"]}
+    assert set(wrong) == {("latency", 3, 0), ("bandwidth", 3, 0), ("bidir", 3, 0)}
+    assert all(count == 3 for count in wrong.values()), wrong  # one byte in each of the 3 timed windows
+
+
+def test_an_odd_world_idles_one_rank_per_round() -> None:
+    rows = launch(3, _measure, ((), None), "gloo", 120)
+    assert len(rows) == 3 * 6 and all(row["wrong"] == 0 for row in rows)
