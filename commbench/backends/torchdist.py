@@ -80,14 +80,17 @@ class TorchDistBackend(DeclaredOptions, Backend):
         if plan.send_mode == "balanced":
             send = tokens.contiguous()  # row i already goes to rank i: nothing to pack (as nccl-tests)
         else:
-            send = torch.index_select(tokens, 0, plan.send_token_index, out=self._send_buffer)
-        dist.all_to_all_single(
-            received,
-            send,
-            output_split_sizes=recv_splits,
-            input_split_sizes=self._send_splits,
-            group=self.comm.group,
-        )
+            with self.steps("pack"):
+                send = torch.index_select(tokens, 0, plan.send_token_index, out=self._send_buffer)
+        with self.steps("payload transfer"):
+            dist.all_to_all_single(
+                received,
+                send,
+                output_split_sizes=recv_splits,
+                input_split_sizes=self._send_splits,
+                group=self.comm.group,
+            )
+        # No unpack: all_to_all_single delivers the rows in source order, as the harness expects them.
         return received
 
     def combine(self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
@@ -97,11 +100,13 @@ class TorchDistBackend(DeclaredOptions, Backend):
         self._combine_buffer = grown_buffer(self._combine_buffer, rows, (hidden,), expert_out.dtype, device)
         returned = self._combine_buffer[:rows]
         # Reverse of dispatch: each expert side sends back, per source, the rows it received from it.
-        dist.all_to_all_single(
-            returned,
-            expert_out.contiguous(),
-            output_split_sizes=self._send_splits,
-            input_split_sizes=self._recv_splits(recv_counts),
-            group=self.comm.group,
-        )
-        return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
+        with self.steps("send-back"):
+            dist.all_to_all_single(
+                returned,
+                expert_out.contiguous(),
+                output_split_sizes=self._send_splits,
+                input_split_sizes=self._recv_splits(recv_counts),
+                group=self.comm.group,
+            )
+        with self.steps("weighted reduce"):
+            return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)

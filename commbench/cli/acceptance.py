@@ -175,7 +175,7 @@ def confirm_slow_ranks(
         plan = (sorted(flagged), jobs_again, limits.spread.confirm_reruns if jobs_again else 0)
     flagged_cases, jobs_again, reruns = comm.all_gather_object(plan)[0]
     rerun_spreads: dict[str, list[CaseSpread]] = {case: [] for case in flagged_cases}
-    rerun_opts = replace(opts, imbalance_cost=False)  # only the flagged phases themselves
+    rerun_opts = replace(opts, imbalance_cost=False, profile=False)  # only the flagged phases themselves
     for _ in range(reruns):
         _, again = run_jobs(comm, jobs_again, rerun_opts, backend_class, None, layout)
         if limits is not None:

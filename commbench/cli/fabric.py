@@ -158,6 +158,14 @@ def topo(as_json: bool) -> None:
 )
 @click.option("--exact", "exact", flag_value=True, default=None, help="Route every token (slow at scale).")
 @opt.SEED
+@click.option(
+    "--tflops",
+    type=opt.finite_float(0.0, 1e6, min_open=True),
+    default=1648.0,
+    show_default=True,
+    help="Per-GPU TFLOP/s of the comm/compute budget (default: the 1,648 record, delivered DeepSeek-V3 "
+    "training throughput per GPU on GB300 NVL72); the spec's dense BF16/FP8 peaks are shown too.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print rows and notes as JSON.")
 @click.option(
     "--calibration",
@@ -167,7 +175,7 @@ def topo(as_json: bool) -> None:
     "routing; the other options do not apply.",
 )
 def simulate(
-    ranks_text: str, fabric_kind: str | None, as_json: bool, calibration: bool, **inputs: Any
+    ranks_text: str, fabric_kind: str | None, tflops: float, as_json: bool, calibration: bool, **inputs: Any
 ) -> None:
     """Predict dispatch/combine time per world size with the fabric model (no GPUs needed).
 
@@ -180,8 +188,10 @@ def simulate(
         _echo_calibration(inputs["tokens_per_rank"], inputs["seed"], as_json)
         return
     from commbench.cli.resources import check_simulate_fits
+    from commbench.fabric.budget import simulated_budgets
     from commbench.fabric.ep_groups import simulate as run_simulation
     from commbench.inputs.models import load_model
+    from commbench.report.budget import budgets_json, modelled_budget_text
 
     ranks = _parse_ranks(ranks_text)
     model = load_model(inputs.pop("model"))
@@ -191,8 +201,10 @@ def simulate(
     )
     fabric = FABRIC_KINDS.get(fabric_kind or "", {})
     result = run_simulation(model=model, ranks=ranks, **inputs, **fabric)
+    budgets = simulated_budgets(model, result, tflops, **inputs)  # the same traffic, against expert compute
     if as_json:
-        click.echo(json.dumps({"rows": result.rows, "notes": result.notes}, indent=2, default=float))
+        rows = {"rows": result.rows, "notes": result.notes, "budget": budgets_json(budgets)}
+        click.echo(json.dumps(rows, indent=2, default=float))
         return
     body = [
         [
@@ -216,6 +228,7 @@ def simulate(
         "note: predictions of the fabric model (docs/fabric-model.md), not measurements; GB = 1e9 bytes, "
         "bandwidths per direction"
     )
+    click.echo("\n" + modelled_budget_text(budgets))  # the comm/compute budget of each size
 
 
 def _calibration_markdown(rows: Sequence[dict[str, Any]]) -> str:

@@ -25,6 +25,7 @@ class MoeInputs:
     mask_ratio: float
     capacity_factor: float | None
     send_mode: str
+    replicas: int = 0  # --replicas: EPLB redundant experts (run and suite add a case with them)
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> MoeInputs:
@@ -56,10 +57,19 @@ def build_routing_config(inputs: MoeInputs, world_size: int, dry_run: bool = Tru
         seed=inputs.seed,
         mask_ratio=inputs.mask_ratio,
         capacity_factor=inputs.capacity_factor,
+        replicas=inputs.replicas,
     )
     if dry_run:
         dry_route(cfg)
     return cfg
+
+
+def replica_cases(cfg: RoutingConfig) -> list[RoutingConfig]:
+    """The MoE cases of one routing: itself, or with --replicas N the case without replicas first and the
+    case with them second, run in one launch and shown side by side ("What EPLB replicas buy")."""
+    from dataclasses import replace
+
+    return [replace(cfg, replicas=0), cfg] if cfg.replicas else [cfg]
 
 
 def dry_route(cfg: RoutingConfig) -> None:

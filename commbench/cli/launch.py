@@ -60,6 +60,10 @@ class LaunchSettings:
     limit_overrides: tuple[str, ...] = ()  # --limit KEY=VALUE
     baseline_file: str | None = None  # --baseline FILE: each case also judged against it
     resume: str | None = None  # --resume DIR: continue that interrupted run in its own folder
+    profile: bool = False  # --profile (run.profile): steps, arrivals on one clock
+    trace: bool = False  # --trace: trace.json of every rank (implies profile)
+    torch_profiler: bool = False  # --torch-profiler: Kineto capture of the timed iterations
+    tflops: float | None = None  # --tflops: the comm/compute budget's per-GPU throughput
 
     @classmethod
     def from_params(cls, params: dict[str, Any], quick: bool = False) -> LaunchSettings:
@@ -76,6 +80,13 @@ class LaunchSettings:
         values["limit_overrides"] = tuple(values.get("limit_overrides") or ())
         if values["check_mode"] == "every" and values["timing"] == "window":
             raise UsageError("--check every needs --timing iteration")
+        values["profile"] = bool(values["profile"] or values["trace"])
+        if values["profile"]:  # steps are resolved after each call's synchronize: one call per timed region
+            if values["timing"] == "window":
+                raise UsageError(
+                    "--profile and --trace time every iteration on its own: drop --timing window"
+                )
+            values["timing"] = "iteration"
         values["world_size"] = resolve_world_size(values["world_size"])
         if values["warmup"] is None:
             values["warmup"] = QUICK_WARMUP if quick else DEFAULT_WARMUP
@@ -109,7 +120,9 @@ def balanced_job(sizes: list[int], settings: LaunchSettings) -> Job:
 
 
 def _phases(job: Job) -> int:
-    """Result rows a job writes (progress steps): one per size, or dispatch + combine."""
+    """Result rows a job writes (progress steps): one per size or trace call, or dispatch + combine."""
+    if job.kind == "matrix":
+        return len(job.calls)
     return len(job.sizes) if job.kind == "balanced" else 2
 
 
@@ -137,6 +150,9 @@ class LaunchPlan:
     swept_keys: tuple[str, ...] = ()  # knobs a --backend-option sweep varies (named in progress lines)
     pairwise: PairwiseJob | None = None  # the pairwise link test, after the jobs (None: not run)
     soak_s: float | None = None  # --soak: the jobs round after round for this long (None: once)
+    trace: bool = False  # --trace: rank 0 writes trace.json of every profiled phase
+    torch_profiler: bool = False  # --torch-profiler: every rank writes kineto/rank<R>.json
+    tflops: float | None = None  # --tflops: the comm/compute budget's throughput (None: the default)
     out_claim: str | None = None  # the token of the launcher's claim on out_dir (report.claim_out_dir)
     resume: bool = False  # out_dir is an interrupted run's folder: skip its finished cases, append
     acceptance: Acceptance | None = None  # what the verdict judges by (None: no verdict, unit tests)
@@ -190,13 +206,23 @@ def launch(
         imbalance_cost=settings.imbalance_cost,
         check=settings.check_mode,
         timing=settings.timing,  # None: each kind's default (the rows' timing column says which ran)
+        profile=settings.profile,
+        trace=settings.trace,
+        torch_profiler=settings.torch_profiler,
+        tflops=settings.tflops,
     )
     if settings.inject_delay or settings.pair_delay:  # a planted fault: the report must say so
         shared["inject_delay_us"] = {
             **{str(rank): seconds * 1e6 for rank, seconds in settings.inject_delay},
             **{f"{src}-{dst}": seconds * 1e6 for src, dst, seconds in settings.pair_delay},
         }
-    link_test = _pairwise_job(settings, acceptance, world, backend, alone=not jobs) if pairwise else None
+    link_test = None
+    if pairwise:
+        from commbench.cli.linktest import pairwise_job
+
+        link_test = pairwise_job(
+            settings.pair_bytes, settings.warmup, settings.iters, acceptance, world, backend, not jobs
+        )
     if link_test is not None:
         shared["pairwise"] = {
             "bandwidth_bytes": link_test.bandwidth_bytes,
@@ -215,6 +241,7 @@ def launch(
         check_mode=settings.check_mode,
         inject_delay=settings.inject_delay,
         pair_delay=settings.pair_delay,
+        profile=settings.profile,
     )
     options.check(world)  # a rank out of range in --inject-delay, before anything starts
     if settings.limits_file or settings.limit_overrides or settings.baseline_file:
@@ -250,6 +277,9 @@ def launch(
         resume=bool(settings.resume),
         pairwise=link_test,
         soak_s=soak_s,
+        trace=settings.trace,
+        torch_profiler=settings.torch_profiler,
+        tflops=settings.tflops,
     )
     try:
         dist.launch(world, launch_worker, (plan,), backend, settings.timeout_s)
@@ -267,39 +297,6 @@ def launch(
         raise
     if dist.is_rank0_process():
         _verdict_last(out_dir, None)
-
-
-def _pairwise_job(
-    settings: LaunchSettings, acceptance: Acceptance, world: int, backend: str, alone: bool
-) -> PairwiseJob | None:
-    """The pairwise link test: message sizes from the limits (``pairwise.*_bytes``, per spec) unless
-    --pair-bytes says otherwise; the launch's warm-up and iterations. None (said on stderr) on a backend
-    that moves no data (mock, sim): their ranks have no links to measure; UsageError when it was to run
-    alone (``run --pattern pairwise``)."""
-    from commbench.backends import get_backend
-    from commbench.errors import UsageError
-    from commbench.run.dist import is_rank0_process
-    from commbench.run.pairwise import PairwiseJob
-
-    if not get_backend(backend).moves_data:
-        if alone:
-            raise UsageError(
-                f"the pairwise link test needs a backend that moves data; {backend} moves none: use "
-                "--backend nccl or gloo"
-            )
-        if is_rank0_process():
-            click.echo(f"commbench: pairwise link test skipped: backend {backend} moves no data", err=True)
-        return None
-
-    rule = acceptance.limits().pairwise
-    job = PairwiseJob(
-        bandwidth_bytes=settings.pair_bytes or rule.bandwidth_bytes,
-        latency_bytes=rule.latency_bytes,
-        warmup=min(settings.warmup, 5),
-        iters=settings.iters,
-    )
-    job.check(world)
-    return job
 
 
 def _verdict_last(out_dir: str, error: BaseException | None) -> None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 if TYPE_CHECKING:
+    from commbench.cli.acceptance import Acceptance
     from commbench.inputs.layout import Layout
     from commbench.inputs.limits import Limits
     from commbench.inputs.specs import SystemSpec
@@ -110,3 +111,37 @@ def frame_wrong(frame: Any) -> int:
     if frame.empty or "wrong" not in frame.columns:
         return 0
     return int(frame["wrong"].fillna(0).sum())
+
+
+def pairwise_job(
+    pair_bytes: int | None, warmup: int, iters: int, acceptance: Acceptance, world: int, backend: str,
+    alone: bool,
+) -> PairwiseJob | None:  # fmt: skip
+    """The pairwise link test: message sizes from the limits (``pairwise.*_bytes``, per spec) unless
+    --pair-bytes (``pair_bytes``) says otherwise; the launch's warm-up and iterations. None (said on
+    stderr) on a backend that moves no data (mock, sim): their ranks have no links to measure; UsageError
+    when it was to run alone (``run --pattern pairwise``)."""
+    from commbench.backends import get_backend
+    from commbench.errors import UsageError
+    from commbench.run.dist import is_rank0_process
+    from commbench.run.pairwise import PairwiseJob
+
+    if not get_backend(backend).moves_data:
+        if alone:
+            raise UsageError(
+                f"the pairwise link test needs a backend that moves data; {backend} moves none: use "
+                "--backend nccl or gloo"
+            )
+        if is_rank0_process():
+            click.echo(f"commbench: pairwise link test skipped: backend {backend} moves no data", err=True)
+        return None
+
+    rule = acceptance.limits().pairwise
+    job = PairwiseJob(
+        bandwidth_bytes=pair_bytes or rule.bandwidth_bytes,
+        latency_bytes=rule.latency_bytes,
+        warmup=min(warmup, 5),
+        iters=iters,
+    )
+    job.check(world)
+    return job

@@ -16,11 +16,12 @@ from typing import Any
 import click
 
 import commbench
+from commbench.cli.backends import backends
 from commbench.cli.compare import baseline, compare
 from commbench.cli.fabric import simulate, topo
 from commbench.cli.pattern import pattern
 from commbench.cli.report import report
-from commbench.cli.run import run, suite
+from commbench.cli.run import profile, run, suite
 from commbench.errors import CommbenchError, StoppedError
 
 
@@ -128,12 +129,13 @@ def cli() -> None:
       torchrun --nproc-per-node 8 -m commbench run --model deepseek-v3 --skew hot:8:0.3
       commbench run --pattern balanced --min-bytes 1K --max-bytes 64M --world-size 4
       commbench suite --world-size 4 --quick
+      commbench profile --world-size 4 --skew zipf:1.2 --trace
       commbench pattern --model kimi-k2 --world-size 64 --tokens 4096 --skew zipf:1.2
       commbench report reports/20250101T000000Z
     """
 
 
-for _command in (run, suite, pattern, report, topo, simulate, baseline, compare):
+for _command in (run, profile, suite, pattern, report, topo, simulate, baseline, compare, backends):
     cli.add_command(_command)
 
 

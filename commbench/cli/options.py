@@ -116,7 +116,8 @@ def _spec_help() -> str:
 
 SKEW_HELP = (
     "Expert popularity: uniform | zipf:S (Zipf exponent S) | hot:N:F (N hot experts get fraction F of "
-    "selections) | rank-imbalance:R (one rank's experts get R x the load) | trace:PATH (recorded routing)."
+    "selections) | rank-imbalance:R (one rank's experts get R x the load) | trace:PATH (recorded routing) | "
+    "load:PATH[:LAYER] (a router's expert-load table, CSV/Parquet: layer, expert, tokens)."
 )
 
 SEED = click.option(
@@ -125,6 +126,18 @@ SEED = click.option(
     default=0,
     show_default=True,
     help="Random seed of the routing (integer >= 0).",
+)
+
+# --replicas: EPLB redundant experts (commbench.traffic.replicas), on run, suite and pattern.
+REPLICAS = click.option(
+    "--replicas",
+    type=click.IntRange(min=0, max=MAX_RANKS),  # the real bound, experts x (ranks - 1), needs the model
+    default=0,
+    show_default=True,
+    help="EPLB redundant experts: N extra expert slots placed by DeepSeek EPLB's greedy balance of the "
+    "measured expert load (hot experts replicated, slots packed onto the least-loaded ranks), each expert's "
+    "tokens split among its replicas; experts + N must divide evenly over the ranks. run and suite run each "
+    "MoE case without and with them (knob replicas=N); pattern prints the placement. 0: none.",
 )
 
 _MOE_OPTIONS = (
@@ -161,11 +174,13 @@ _MOE_OPTIONS = (
         "dropped. Default: no capacity limit.",
     ),
     SEED,
+    REPLICAS,
 )
 
 
 def moe_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--model, --skew, --tokens, --send-mode, --mask-ratio, --capacity-factor, --seed (run, pattern)."""
+    """--model, --skew, --tokens, --send-mode, --mask-ratio, --capacity-factor, --seed, --replicas (run,
+    pattern)."""
     for option in reversed(_MOE_OPTIONS):
         func = option(func)
     return func
@@ -332,6 +347,46 @@ _ACCEPTANCE_OPTIONS = (
 )
 
 
+_PROFILE_OPTIONS = (
+    click.option(
+        "--profile",
+        is_flag=True,
+        help="Profile each phase: its named steps per rank and iteration (count exchange, pack, payload "
+        "transfer, send-back, weighted reduce; put issue, signal wait on NVSHMEM-style backends), every "
+        "rank's arrival on one clock (who arrives late) -> profile.csv, arrivals.csv and the report's "
+        "profile section. Times every iteration on its own (--timing iteration).",
+    ),
+    click.option(
+        "--trace",
+        is_flag=True,
+        help="With the profile, write trace.json: one Chrome/Perfetto trace of every rank (a process per "
+        "rank, a track per step, on rank 0's clock); load it in ui.perfetto.dev or chrome://tracing. Implies "
+        "--profile. On GPUs every step is also an NVTX range (Nsight Systems).",
+    ),
+    click.option(
+        "--torch-profiler",
+        is_flag=True,
+        help="Capture a torch.profiler (Kineto) trace of every rank's timed iterations (kineto/rank<R>.json) "
+        "and report communication time and its overlap with compute per rank, kernels classified by a "
+        "registry of communication kernels (NCCL, NVSHMEM, commbench's put kernels, DeepEP, ...).",
+    ),
+    click.option(
+        "--tflops",
+        type=finite_float(0.0, 1e6, min_open=True),
+        default=None,
+        help="Per-GPU throughput for the comm/compute budget of the MoE cases (TFLOP/s). Default: 1648, the "
+        "DeepSeek-V3 training record on GB300 NVL72; the spec's dense peak is shown beside it.",
+    ),
+)
+
+
+def profile_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--profile, --trace, --torch-profiler and --tflops (run, profile and suite)."""
+    for option in reversed(_PROFILE_OPTIONS):
+        func = option(func)
+    return func
+
+
 def acceptance_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """--limits, --limit and --baseline (run and suite): what the verdict judges by."""
     for option in reversed(_ACCEPTANCE_OPTIONS):
@@ -361,6 +416,16 @@ OUT = click.option(
     type=click.Path(file_okay=False),
     default=None,
     help="Report folder; must be new or empty. Default: reports/<UTC timestamp>/ (never overwritten).",
+)
+NCCL_TESTS_MATRIX = click.option(
+    "--nccl-tests-matrix",
+    "nccl_tests_matrix",
+    type=click.Path(dir_okay=False),
+    default=None,
+    metavar="FILE",
+    help="Also write the MoE pattern's dispatch bytes as an nccl-tests alltoallv_perf traffic matrix to FILE "
+    "(a row per sending rank, bytes; combine to FILE with .combine before its suffix) and print the "
+    "alltoallv_perf command that moves the same bytes. FILE must not exist.",
 )
 _LAYOUT_OPTIONS = (
     click.option("--spec", "spec_text", default=None, metavar="NAME|PATH", help=_spec_help()),

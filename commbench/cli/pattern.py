@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from commbench.cli.inputs import MoeInputs, build_routing_config
-from commbench.cli.options import moe_options
+from commbench.cli.options import NCCL_TESTS_MATRIX, moe_options
 
 if TYPE_CHECKING:
+    from commbench.cli.launch import LaunchSettings
     from commbench.traffic.pattern import Pattern
+    from commbench.traffic.routing import RoutingConfig
 
 
 @click.command()
@@ -24,20 +28,149 @@ if TYPE_CHECKING:
     help="Number of ranks the experts are spread over.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the pattern (matrices and statistics) as JSON.")
-def pattern(world_size: int, as_json: bool, **params: Any) -> None:
+@NCCL_TESTS_MATRIX
+@click.option(
+    "--pattern",
+    "pattern_kind",
+    type=click.Choice(["moe", "kineto"]),
+    default="moe",
+    show_default=True,
+    help="moe: the model's routed traffic; kineto: the all-to-all calls of a torch.profiler trace "
+    "(--kineto-trace), each call's [src][dst] bytes.",
+)
+@click.option("--kineto-trace", default=None, metavar="PATH", help="With --pattern kineto: as in `run`.")
+def pattern(
+    world_size: int,
+    as_json: bool,
+    nccl_tests_matrix: str | None,
+    pattern_kind: str,
+    kineto_trace: str | None,
+    **params: Any,
+) -> None:
     """Build a traffic pattern without running it and print its statistics (no processes are started)."""
+    if pattern_kind == "kineto" or kineto_trace is not None:
+        click.echo(kineto_pattern(kineto_trace, world_size, as_json, pattern_kind, nccl_tests_matrix))
+        return
     from commbench.cli.resources import check_pattern_fits
+    from commbench.report.nccl_tests_export import (
+        check_export_paths,
+        export_summary,
+        plan_export,
+        write_export,
+    )
+    from commbench.report.replicas import replicas_summary
     from commbench.traffic.pattern import build_pattern, pattern_to_json
 
     cap_cpu_threads()
     inputs = MoeInputs.from_params(params)
     cfg = build_routing_config(inputs, world_size, dry_run=False)
+    if nccl_tests_matrix is not None:
+        check_export_paths(nccl_tests_matrix)  # before the routing, which can take a while
     check_pattern_fits(cfg, as_json)  # routes every rank here: 10^9 tokens would fill the host first
     built = build_pattern(cfg, inputs.send_mode)
+    exports = plan_export(built, nccl_tests_matrix) if nccl_tests_matrix is not None else []
+    eplb = replicas_summary(cfg, inputs.send_mode, built) if cfg.replicas else None  # --replicas N
+    write_export(exports)  # last: a refusal above leaves nothing written
     if as_json:
-        click.echo(json.dumps(pattern_to_json(built), indent=2))
+        data = pattern_to_json(built)
+        if eplb is not None:
+            data["eplb_replicas"] = eplb[1]
+        click.echo(json.dumps(data, indent=2))
     else:
-        click.echo(describe_pattern(built))
+        click.echo(describe_pattern(built) + (f"\n\n{eplb[0]}" if eplb is not None else ""))
+    if exports:  # after the statistics; on stderr when stdout is the JSON
+        click.echo(("" if as_json else "\n") + export_summary(exports), err=as_json)
+
+
+def kineto_pattern(
+    path: str | None, world_size: int, as_json: bool, pattern_kind: str, export: str | None
+) -> str:
+    """``pattern --pattern kineto``: every all-to-all call of the trace, each its [src][dst] bytes (the
+    matrices ``run --pattern kineto`` moves), as tables or JSON."""
+    from commbench.errors import UsageError
+    from commbench.inputs.kineto import read_kineto
+    from commbench.report.tables import format_table
+    from commbench.run.jobs import MatrixCall
+
+    if pattern_kind != "kineto" or path is None or export is not None:
+        raise UsageError("--pattern kineto takes --kineto-trace PATH (and no --nccl-tests-matrix)")
+    trace = read_kineto(path)
+    if trace.group_size != world_size:
+        raise UsageError(
+            f"the trace's process group has {trace.group_size} ranks; give --world-size {trace.group_size}"
+        )
+    calls = [(call, MatrixCall(call.name, call.matrix).row_bytes) for call in trace.calls]
+    if as_json:
+        return json.dumps(
+            {
+                "pattern": "kineto",
+                "source": trace.source,
+                "group": trace.group,
+                "group_ranks": trace.group_ranks,
+                "world": trace.group_size,
+                "read_from": trace.form,
+                "calls": [
+                    {"name": call.name, "dtype": call.dtype, "element_bytes": call.element_bytes,
+                     "row_bytes": rows, "bytes": call.matrix.tolist()}
+                    for call, rows in calls
+                ],
+            },
+            indent=2,
+        )  # fmt: skip
+    lines = [
+        f"pattern kineto: {trace.source}, process group {trace.group!r} of {trace.group_size} ranks, "
+        f"{len(calls)} all-to-all calls (read from {trace.form}); bytes [src][dst], rows = sender"
+    ]
+    for call, rows in calls:
+        sent = call.matrix.sum(axis=1)
+        lines += ["", f"{call.name}: {call.dtype}, {int(sent.sum())} B in rows of {rows} B"]
+        table = [
+            [f"rank {src}", *map(str, row), str(int(sent[src]))]
+            for src, row in enumerate(call.matrix.tolist())
+        ]
+        lines.append(format_table(["src", *(f"->{dst}" for dst in range(trace.group_size)), "sent"], table))
+    return "\n".join(lines)
+
+
+@contextmanager
+def nccl_tests_files(
+    cfg: RoutingConfig | None, send_mode: str, path: str | None, settings: LaunchSettings
+) -> Iterator[None]:
+    """``run --nccl-tests-matrix``: around the launch, in the process that is (or starts) rank 0, write the
+    nccl-tests files of ``cfg``'s pattern (the one ``commbench pattern`` builds, routed here) and print their
+    commands on stderr with the run's --iters/--warmup; a run refused (UsageError) removes them again, so bad
+    input leaves nothing. ``cfg`` None: not an MoE run, refused."""
+    from commbench.errors import UsageError
+    from commbench.run.dist import is_rank0_process
+
+    if path is not None and cfg is None:
+        raise UsageError(
+            "--nccl-tests-matrix exports an MoE pattern (--pattern moe); a balanced sweep is nccl-tests' own "
+            "alltoall_perf (-b/-e/-f as --min-bytes/--max-bytes/--step-factor)"
+        )
+    if path is None or cfg is None or not is_rank0_process():
+        yield
+        return
+    from commbench.cli.resources import check_pattern_fits
+    from commbench.report.nccl_tests_export import (
+        check_export_paths,
+        export_summary,
+        plan_export,
+        remove_export,
+        write_export,
+    )
+    from commbench.traffic.pattern import build_pattern
+
+    check_export_paths(path)
+    check_pattern_fits(cfg, as_json=False)
+    exports = plan_export(build_pattern(cfg, send_mode), path, settings.iters, settings.warmup)
+    write_export(exports)
+    click.echo(export_summary(exports, timing_known=True), err=True)
+    try:
+        yield
+    except UsageError:
+        remove_export(exports)
+        raise
 
 
 def cap_cpu_threads(threads: int = 1) -> None:

@@ -33,7 +33,8 @@ class Progress:
         """The swept knobs of a row (effective values) for its progress line, e.g. " [chunk_rows=4]"."""
         knobs = row.get("knobs") or {}
         prefix = f"{row.get('backend_name')}_"  # sim and mock report their options as "<name>_<option>"
-        values = {key: knobs.get(key, knobs.get(prefix + key)) for key in self.swept_keys}
+        keys = (*self.swept_keys, "replicas")  # --replicas: the case with EPLB replicas says so
+        values = {key: knobs.get(key, knobs.get(prefix + key)) for key in keys}
         shown = [f"{key}={value}" for key, value in values.items() if value is not None]
         return f" [{' '.join(shown)}]" if shown else ""
 
@@ -46,7 +47,9 @@ class Progress:
         for row, record in zip(rows, results_frame(rows, self.spec).to_dict("records"), strict=True):
             self.done += 1
             phase = record.get("phase")
-            case = "alltoall" if phase == "alltoall" else f"{record.get('skew')} {phase}"
+            skew = record.get("skew")
+            known = isinstance(skew, str) and skew != ""  # trace calls (--pattern kineto) have none
+            case = "alltoall" if phase == "alltoall" else f"{skew} {phase}" if known else str(phase)
             window = f" window {row['window']}" if row.get("window") else ""
             click.echo(
                 f"[{self.done}/{self.total}] {record.get('pattern')} {case}{window}{self._setting(row)}: "

@@ -67,6 +67,9 @@ def _knobs_match(job: Job, knobs_text: Any) -> bool:
     from commbench.report.knobs import parse_knobs
 
     knobs = parse_knobs(knobs_text)
+    replicas = job.routing.replicas if job.kind == "moe" else 0  # --replicas: with and without are 2 cases
+    if knobs.get("replicas", "0") != str(replicas):
+        return False
     return all(knobs.get(key) == str(value) for key, value in (job.backend_options or {}).items())
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from commbench.cli import options as opt
-from commbench.cli.inputs import MoeInputs, balanced_sizes, build_routing_config, check_jobs
+from commbench.cli.inputs import MoeInputs, balanced_sizes, build_routing_config, check_jobs, replica_cases
 from commbench.cli.launch import LaunchSettings, balanced_job, launch, moe_job
 from commbench.errors import UsageError
 
@@ -54,9 +54,11 @@ def _backend_option(func: Any) -> Any:
 @opt.TIMING
 @opt.INJECT_DELAY
 @opt.PAIR_BYTES
+@opt.profile_options
 @opt.acceptance_options
 @opt.RESUME
 @opt.OUT
+@opt.NCCL_TESTS_MATRIX
 @click.option(
     "--corrupt",
     type=click.Choice(["dispatch", "combine"]),
@@ -69,11 +71,20 @@ def _backend_option(func: Any) -> Any:
 @click.option(
     "--pattern",
     "pattern_kind",
-    type=click.Choice(["moe", "balanced", "pairwise"]),
+    type=click.Choice(["moe", "balanced", "pairwise", "kineto"]),
     default="moe",
     show_default=True,
     help="moe: the model's dispatch and combine phases; balanced: an nccl-tests-style all-to-all size sweep; "
-    "pairwise: the pairwise link test alone (every ordered pair, one way and both ways; --pair-bytes).",
+    "pairwise: the pairwise link test alone (every ordered pair, one way and both ways; --pair-bytes); "
+    "kineto: the all-to-all calls of a torch.profiler trace (--kineto-trace).",
+)
+@click.option(
+    "--kineto-trace",
+    default=None,
+    metavar="PATH",
+    help="With --pattern kineto: a torch.profiler (Kineto) trace of a training step, a .json/.json.gz file "
+    "per rank (a file or their folder). Each all-to-all call of its process group runs as one all-to-all-v "
+    "moving the bytes of the trace's split sizes, verified; a result row per call.",
 )
 @click.option(
     "--min-bytes",
@@ -99,6 +110,7 @@ def _backend_option(func: Any) -> Any:
 )
 def run(
     pattern_kind: str,
+    kineto_trace: str | None,
     min_bytes: int,
     max_bytes: int,
     step_factor: float,
@@ -111,9 +123,15 @@ def run(
 
     Ends with a verdict (verdict.json, junit.xml, the last console line). Exit code: 0 PASS or WARN, 1 FAIL,
     2 could not run, 3 wrong data, 4 a rank died or timed out."""
+    from commbench.cli.pattern import nccl_tests_files
+
+    nccl_tests_matrix = params.pop("nccl_tests_matrix")  # not a launch setting: from_params takes those
     settings = LaunchSettings.from_params(params)
     moe = MoeInputs.from_params(params)
     world = settings.world_size
+    if kineto_trace is not None and pattern_kind != "kineto":
+        raise UsageError("--kineto-trace is the trace of --pattern kineto; add --pattern kineto")
+    traced: dict[str, Any] = {}  # --pattern kineto: where its calls came from (meta.json's args)
     if pattern_kind == "pairwise":
         sizes = None
         jobs = []
@@ -122,11 +140,18 @@ def run(
         sizes = balanced_sizes(min_bytes, max_bytes, step_factor, world)
         jobs = [balanced_job(sizes, settings)]
         settings = replace(settings, imbalance_cost=False)  # a balanced sweep has nothing to compare with
+    elif pattern_kind == "kineto":
+        sizes = None
+        job, traced = _kineto_job(kineto_trace, world, settings)
+        jobs = [job]
+        settings = replace(settings, imbalance_cost=False)
     else:
         sizes = None
-        jobs = [moe_job(build_routing_config(moe, world, dry_run=False), moe.send_mode, settings)]
+        cfg = build_routing_config(moe, world, dry_run=False)
+        jobs = [moe_job(case, moe.send_mode, settings) for case in replica_cases(cfg)]  # --replicas: 2 cases
     jobs = [replace(job, window=window) for window in range(repeat or 1) for job in jobs]
-    check_jobs(jobs, settings)
+    if pattern_kind != "kineto":  # checked by _kineto_job (cli.resources sizes MoE and balanced jobs)
+        check_jobs(jobs, settings)
     is_moe = pattern_kind == "moe"
     args = {
         "pattern": pattern_kind,
@@ -137,15 +162,50 @@ def run(
         "mask_ratio": moe.mask_ratio,
         "capacity_factor": moe.capacity_factor,
         "seed": moe.seed,
+        **({"replicas": moe.replicas} if moe.replicas else {}),  # absent without: older folders resume
         # The balanced sweep's nccl-tests header (-b/-e/-f); warmup, iters, check and timing are shared.
         "min_bytes": min_bytes if pattern_kind == "balanced" else None,
         "max_bytes": max_bytes if pattern_kind == "balanced" else None,
         "step_factor": step_factor if pattern_kind == "balanced" else None,
         "sizes": sizes,
         "repeat": repeat or 1,
+        **traced,
     }
     pairwise = pattern_kind == "pairwise"
-    launch("run", settings, jobs, args, option_pairs=option_pairs, corrupt=corrupt, pairwise=pairwise)
+    # --nccl-tests-matrix: written (rank 0) before the launch, removed again if the launch is refused; of the
+    # last job's routing, the options' own (with --replicas the replica case), as `commbench pattern` builds.
+    with nccl_tests_files(jobs[-1].routing if is_moe else None, moe.send_mode, nccl_tests_matrix, settings):
+        launch("run", settings, jobs, args, option_pairs=option_pairs, corrupt=corrupt, pairwise=pairwise)
+
+
+def _kineto_job(path: str | None, world: int, settings: LaunchSettings) -> tuple[Any, dict[str, Any]]:
+    """--pattern kineto: (the trace's all-to-all calls as one MatrixJob, checked here with the memory its
+    busiest rank needs; meta.json's record of the trace)."""
+    from commbench.cli.launch import job_timing
+    from commbench.cli.resources import check_launch_fits
+    from commbench.inputs.kineto import read_kineto
+    from commbench.run.jobs import BalancedJob, MatrixCall, MatrixJob
+
+    if path is None:
+        raise UsageError(
+            "--pattern kineto needs --kineto-trace PATH (a trace file, or a folder of one per rank)"
+        )
+    if settings.resume:
+        raise UsageError("--resume cannot continue a --pattern kineto run; run it again")
+    trace = read_kineto(path)
+    if trace.group_size != world:
+        raise UsageError(
+            f"the trace's process group {trace.group!r} has {trace.group_size} ranks, this run {world}; run "
+            f"it on {trace.group_size} ranks (--world-size {trace.group_size})"
+        )
+    calls = [MatrixCall(call.name, call.matrix) for call in trace.calls]
+    timing = job_timing(settings, MatrixJob.timing)
+    job = MatrixJob("kineto", calls, warmup=settings.warmup, iters=settings.iters, timing=timing)
+    job.check(world)
+    # Memory: each call sized as a balanced all-to-all of its busiest rank's bytes (cli.resources).
+    busiest = [max(int(c.matrix.sum(0).max()), int(c.matrix.sum(1).max()), world) for c in calls]
+    check_launch_fits([BalancedJob("kineto", busiest, iters=settings.iters)], world, settings.backend, False)
+    return job, {"kineto_trace": trace.source, "kineto_group": trace.group, "kineto_calls": len(calls)}
 
 
 @click.command()
@@ -180,6 +240,7 @@ def run(
     help=f"Largest balanced size, bytes each rank sends (nccl-tests -e). Default: {SUITE_MAX_BYTES >> 20}M "
     f"({QUICK_MAX_BYTES >> 20}M with --quick); on a GPU rack e.g. 1G.",
 )
+@opt.REPLICAS
 @opt.WARMUP
 @opt.ITERS
 @opt.REPEAT
@@ -189,6 +250,7 @@ def run(
 @opt.TIMING
 @opt.INJECT_DELAY
 @opt.PAIR_BYTES
+@opt.profile_options
 @opt.acceptance_options
 @opt.RESUME
 @opt.OUT
@@ -228,6 +290,7 @@ def suite(
     quick: bool,
     pairwise: bool,
     soak_s: float | None,
+    replicas: int,
     **params: Any,
 ) -> None:
     """The default suite in one launch and one report folder, ending with a verdict.
@@ -258,8 +321,9 @@ def suite(
     cases: list[Any] = [balanced_job(sizes, settings)]
     for model in models:
         for skew in skews:
-            moe = MoeInputs(model, skew, tokens, seed, 0.0, None, "token")
-            cases.append(moe_job(build_routing_config(moe, world, dry_run=False), "token", settings))
+            moe = MoeInputs(model, skew, tokens, seed, 0.0, None, "token", replicas)
+            cfg = build_routing_config(moe, world, dry_run=False)
+            cases += [moe_job(case, "token", settings) for case in replica_cases(cfg)]  # --replicas: 2
     # Round after round: each window of a case is apart in time from its others, as separate runs would be.
     rounds = max(repeat or 1, moe_repeat)
     jobs = [
@@ -279,7 +343,25 @@ def suite(
         "step_factor": step,
         "sizes": sizes,
         "seed": seed,
+        **({"replicas": replicas} if replicas else {}),
         "repeat": {"balanced": repeat or 1, "moe": moe_repeat},
         "soak_s": soak_s,
     }
     launch("suite", settings, jobs, args, option_pairs=option_pairs, pairwise=pairwise, soak_s=soak_s)
+
+
+def _profile(**params: Any) -> None:
+    params["profile"] = True
+    run.callback(**params)  # type: ignore[misc]
+
+
+# ``commbench profile``: ``run`` with --profile (every option of run, the same report folder and verdict).
+profile = click.Command(
+    "profile",
+    params=list(run.params),
+    callback=_profile,
+    help="Profile one pattern: `commbench run --profile` with every option of run. Each phase's named steps "
+    "per rank and iteration (where each microsecond goes), who arrives late on one clock, --trace for a "
+    "Perfetto trace of every rank, --torch-profiler for a Kineto capture with comm/compute overlap, and the "
+    "comm/compute budget of the MoE cases (--tflops).",
+)

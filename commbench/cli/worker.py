@@ -68,6 +68,7 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
     progress = Progress(plan.total_steps, plan.spec, plan.swept_keys)
     names = rank_names(layout)
     extra: list[Any] = list(health.preflight)
+    profiled = _ProfileSink(writer, plan.trace) if plan.options.profile else None
 
     def sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
         with deferred_stop():  # a stop signal waits until these rows are written whole
@@ -75,7 +76,7 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
             progress(rows)
 
     try:
-        jobs, rank_rows = _run_cases(comm, plan, backend_class, layout, sink, progress)
+        jobs, rank_rows = _run_cases(comm, plan, backend_class, layout, sink, progress, profiled)
         outcomes = []
         if plan.acceptance is not None:
             outcomes = confirm_slow_ranks(
@@ -83,6 +84,12 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
             )
         _link_test(comm, plan, layout, writer, extra)
         health.finish(comm, writer, extra)
+        if profiled is not None:
+            profiled.finish(names)
+        if (
+            plan.torch_profiler
+        ):  # every rank's capture is written: their cases ended before the last collective
+            writer.read_kineto()
     except BaseException as stopped_by:
         from commbench.cli.launch import incomplete_reason
 
@@ -109,17 +116,29 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
 
 
 def _run_cases(
-    comm: Any, plan: LaunchPlan, backend_class: type, layout: Layout, sink: Any, progress: Progress | None
-) -> tuple[list[Any], list[dict[str, Any]]]:
+    comm: Any, plan: LaunchPlan, backend_class: type, layout: Layout, sink: Any, progress: Progress | None,
+    profiler: Any = None,
+) -> tuple[list[Any], list[dict[str, Any]]]:  # fmt: skip
     """Collective: the plan's jobs once, or under --soak round after round (window 0, 1, ...) until the
     soak's time is up, rank 0 deciding for all (their clocks differ); every row of a soak gets ``soak_s``,
     the seconds since the soak started. Returns (the jobs as run, one per round and case, in order; rank 0's
     rank rows, whose ``job_index`` points into them)."""
+    from commbench.run import torch_profiler
+
+    # --torch-profiler: a Kineto trace per rank of the cases (measured calls marked), kineto/rank<R>.json.
+    with torch_profiler.capture(plan.torch_profiler, plan.out_dir, comm.rank):
+        return _run_rounds(comm, plan, backend_class, layout, sink, progress, profiler)
+
+
+def _run_rounds(
+    comm: Any, plan: LaunchPlan, backend_class: type, layout: Layout, sink: Any, progress: Progress | None,
+    profiler: Any,
+) -> tuple[list[Any], list[dict[str, Any]]]:  # fmt: skip
     from commbench.report.soak import SOAK_COLUMN
     from commbench.run.harness import run_jobs
 
     if plan.soak_s is None:
-        return plan.jobs, run_jobs(comm, plan.jobs, plan.options, backend_class, sink, layout)[1]
+        return plan.jobs, run_jobs(comm, plan.jobs, plan.options, backend_class, sink, layout, profiler)[1]
     started = time.monotonic()
 
     def soak_sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
@@ -130,7 +149,8 @@ def _run_cases(
     rank_rows: list[dict[str, Any]] = []
     while True:
         jobs = [replace(job, window=len(ran) // max(len(plan.jobs), 1)) for job in plan.jobs]
-        _, rows = run_jobs(comm, jobs, plan.options, backend_class, soak_sink if sink else None, layout)
+        chosen_sink = soak_sink if sink else None
+        _, rows = run_jobs(comm, jobs, plan.options, backend_class, chosen_sink, layout, profiler)
         rank_rows += [{**row, "job_index": int(row["job_index"]) + len(ran)} for row in rows]
         ran += jobs
         rounds = len(ran) // max(len(plan.jobs), 1)
@@ -237,3 +257,36 @@ class _Health:
                 click.echo(f"commbench: health {element.status}: {element.message}", err=True)
         with deferred_stop():
             writer.set_table(HEALTH_FILE, health_frame(self.healths, self.before, after).to_dict("records"))
+
+
+class _ProfileSink:
+    """Rank 0's end of --profile: each phase's steps, arrivals and per-peer arrivals appended to
+    profile.csv, arrivals.csv and peers.csv as it finishes; with --trace every span kept for trace.json."""
+
+    def __init__(self, writer: ReportWriter, trace: bool) -> None:
+        self.writer = writer
+        self.trace = trace
+        self.spans: list[dict[str, Any]] = []
+
+    def __call__(self, profile: Any) -> None:
+        from commbench.report.profile import ARRIVALS_FILE, PEERS_FILE, PROFILE_FILE
+        from commbench.run.liveness import deferred_stop
+
+        with deferred_stop():
+            self.writer.append_table(PROFILE_FILE, profile.step_rows())
+            self.writer.append_table(ARRIVALS_FILE, profile.arrival_rows())
+            self.writer.append_table(PEERS_FILE, profile.peer_rows())
+        if self.trace:
+            self.spans += profile.trace_spans()
+
+    def finish(self, names: dict[int, str]) -> None:
+        """trace.json, when asked for."""
+        if not self.trace:
+            return
+        from commbench.report.profile import TRACE_FILE, trace_text
+
+        self.writer.write_file(TRACE_FILE, trace_text(self.spans, names))
+        click.echo(
+            f"commbench: trace of every rank in {self.writer.out_dir / TRACE_FILE} (ui.perfetto.dev)",
+            err=True,
+        )

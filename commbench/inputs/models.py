@@ -27,9 +27,10 @@ _POSITIVE_KEYS = ("hidden", "num_experts", "topk", "n_group", "topk_group", "sca
 # 10^12 experts) that would otherwise fail only inside the ranks, or fill the host's memory first: one row of
 # hidden 2^20 is 2 MiB, and routing keeps tables of num_experts + 1 entries per rank.
 _EXAMPLES = {"hidden": 7168, "num_experts": 256, "topk": 8, "num_shared_experts": 1, "n_group": 8}
-_EXAMPLES.update(topk_group=4, scale_block=128)
+_EXAMPLES.update(topk_group=4, scale_block=128, moe_intermediate=2048)
 LIMITS = {
     "hidden": 1 << 20,
+    "moe_intermediate": 1 << 20,  # one routed expert's FFN width; real ones are 768-16384
     "num_experts": 1 << 16,
     "topk": 1 << 10,  # rows per token in selection mode: 1024 x the tokens at most
     "num_shared_experts": 1 << 10,  # computed locally: only a sanity bound
@@ -53,10 +54,14 @@ class ModelConfig:
     scale_block: int = 128
     combine_dtype: str = "bf16"
     source: str = ""  # where the numbers come from
+    # One routed expert's FFN width (Hugging Face moe_intermediate_size; intermediate_size for Mixtral,
+    # Llama 4 and gpt-oss): the expert FLOPs of the comm/compute budget. None: unknown, budget not computed.
+    moe_intermediate: int | None = None
 
     def __post_init__(self) -> None:
         where = f"model {shorten(self.name)}"
-        for key in (*_POSITIVE_KEYS, "num_shared_experts"):
+        optional = ("moe_intermediate",) if self.moe_intermediate is not None else ()
+        for key in (*_POSITIVE_KEYS, "num_shared_experts", *optional):
             value = getattr(self, key)
             least = 0 if key == "num_shared_experts" else 1
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:

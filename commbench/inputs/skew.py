@@ -1,6 +1,7 @@
-"""The ``--skew`` grammar: uniform | zipf:S | hot:N:F | rank-imbalance:R | trace:PATH.
+"""The ``--skew`` grammar: uniform | zipf:S | hot:N:F | rank-imbalance:R | trace:PATH | load:PATH[:LAYER].
 
-``load_trace`` reads and validates a routing trace (top-k expert ids per token) for ``trace:PATH``.
+``load_trace`` reads and validates a routing trace (top-k expert ids per token) for ``trace:PATH``;
+``load:PATH[:LAYER]`` names a per-layer expert-load table (``inputs.expert_load``), read when routing starts.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ import numpy as np
 from commbench.errors import UsageError
 from commbench.inputs.userfiles import clip, describe_keys, show_path
 
-SKEW_FORMS = "uniform, zipf:S, hot:N:F, rank-imbalance:R or trace:PATH"
+SKEW_FORMS = "uniform, zipf:S, hot:N:F, rank-imbalance:R or trace:PATH (or load:PATH[:LAYER], expert loads)"
 
 
 @dataclass(frozen=True)
 class SkewSpec:
-    kind: str  # "uniform", "zipf", "hot", "rank-imbalance", "trace"
+    kind: str  # "uniform", "zipf", "hot", "rank-imbalance", "trace", "load"
     text: str  # the user's spelling, for reports
     zipf_s: float = 0.0
     hot_experts: int = 0
     hot_fraction: float = 0.0
     imbalance_ratio: float = 1.0
     trace_path: str = ""
+    load_path: str = ""  # load:PATH[:LAYER]: an expert-load table (inputs.expert_load)
+    load_layer: int | None = None  # its layer; None: the sum over every layer
 
 
 def _number(text: str, what: str, spelling: str) -> float:
@@ -70,6 +73,19 @@ def parse_skew(text: str) -> SkewSpec:
     if kind == "trace" and rest:
         # The shell does not expand ~ after "trace:", so do it here.
         return SkewSpec(kind="trace", text=spelling, trace_path=os.path.expanduser(rest))
+    if kind == "load" and rest:
+        # A trailing ":N" names the layer; a path that itself ends in ":<digits>" needs the layer spelled out.
+        path, colon, layer = rest.rpartition(":")
+        if not (colon and path and layer.strip().isdigit()):
+            path, layer = rest, ""
+        elif len(layer.strip()) > 9:
+            raise UsageError(f"--skew {spelling}: the layer must be a whole number below 10^9")
+        return SkewSpec(
+            kind="load",
+            text=spelling,
+            load_path=os.path.expanduser(path),
+            load_layer=int(layer) if layer else None,
+        )
     raise UsageError(f"--skew {spelling!r} not understood; use {SKEW_FORMS}")
 
 

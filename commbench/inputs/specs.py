@@ -13,6 +13,9 @@ Direction conventions, binding for every user of a spec:
   line rates are per direction, full duplex); ``nic_GBps_per_direction`` = that / 8.
 - ``aggregate_GBps_bidirectional``: the whole domain, both directions summed (NVL72: 130 TB/s);
   ``aggregate_GBps_per_direction(ranks)`` halves it and scales it to the ranks used.
+
+Compute: ``dense_tflops_bf16`` / ``dense_tflops_fp8`` are one GPU's dense tensor-core peaks in TFLOP/s
+(datasheets quote "with sparsity" figures twice as high; the catalogue holds the dense half).
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ _KEYS: dict[str, tuple[type, bool]] = {
     "phase_latency_us": (float, False),
     "nvlink_peer_latency_us": (float, False),
     "scaleout_peer_latency_us": (float, False),
+    # Dense (no 2:4 sparsity) tensor-core peak of one GPU, TFLOP/s: the comm/compute budget's peak throughput.
+    "dense_tflops_bf16": (float, False),
+    "dense_tflops_fp8": (float, False),
 }
 # Keys that may be zero (pod_gpus = 0: the whole scale-out fabric is one non-blocking pod) or are flags/text.
 _MAY_BE_ZERO = {"pod_gpus", "phase_latency_us", "nvlink_peer_latency_us", "scaleout_peer_latency_us"}
@@ -81,6 +87,8 @@ class SystemSpec:
     phase_latency_us: float | None = None
     nvlink_peer_latency_us: float | None = None
     scaleout_peer_latency_us: float | None = None
+    dense_tflops_bf16: float | None = None  # one GPU's dense BF16 tensor peak, TFLOP/s (None: not stated)
+    dense_tflops_fp8: float | None = None  # one GPU's dense FP8 tensor peak, TFLOP/s (None: not stated)
     source: str = ""  # file the spec was read from
 
     @property

@@ -58,7 +58,13 @@ from commbench.report.html import incomplete_reason, report_html, summary_markdo
 from commbench.report.junit import write_junit
 from commbench.report.pairs import PAIRS_FILE
 from commbench.report.reading import RANK_COLUMNS, RESULT_COLUMNS, read_meta, read_report, read_rows
-from commbench.report.sections import HEALTH_FILE, ExtraTables, read_extra_tables
+from commbench.report.sections import (
+    EXTRA_APPENDED,
+    HEALTH_FILE,
+    ExtraTables,
+    read_extra_tables,
+    read_kineto,
+)
 from commbench.report.verdict import VERDICT_FILE, Verdict, read_verdict_json, write_verdict_json
 
 # Judges a finished (or stopped) run: (results frame, rank frame, meta) -> its Verdict (cli.acceptance).
@@ -161,6 +167,7 @@ class ReportWriter:
         self._rows: list[dict[str, Any]] = []
         self._rank_rows: list[dict[str, Any]] = []
         self._extras = read_extra_tables(self.out_dir) if resume else ExtraTables()
+        self._appenders: dict[str, CsvAppender] = {}
         if resume:  # --resume: the interrupted run's rows stay, new ones are appended after them
             for appender, rows, name, columns in (
                 (self._results, self._rows, "results.csv", RESULT_COLUMNS),
@@ -192,6 +199,28 @@ class ReportWriter:
         if rank_rows:
             self._guarded(self._ranks.append, file_records(rank_frame(rank_rows)))
             self._rank_rows.extend(rank_rows)
+
+    def append_table(self, name: str, rows: list[dict[str, Any]]) -> None:
+        """Append whole rows to one of the profiler's long tables (``EXTRA_APPENDED``: profile.csv,
+        arrivals.csv, peers.csv) as phases finish; the pages show them."""
+        if not rows:
+            return
+        appender = self._appenders.get(name)
+        if appender is None:
+            appender = self._appenders[name] = CsvAppender(self.out_dir / name)
+        self._guarded(appender.append, file_records(pd.DataFrame(rows)))
+        field = EXTRA_APPENDED[name]
+        old = getattr(self._extras, field)
+        frame = canonical_rows(pd.DataFrame(rows))
+        self._extras = replace(self._extras, **{field: pd.concat([old, frame], ignore_index=True)})
+
+    def read_kineto(self) -> None:
+        """The ranks' torch.profiler traces (kineto/rank<R>.json) into the pages' overlap section."""
+        self._extras = replace(self._extras, kineto=read_kineto(self.out_dir))
+
+    def write_file(self, name: str, text: str) -> None:
+        """One more whole file in the folder (trace.json), written atomically."""
+        self._write(self.out_dir / name, text)
 
     def set_table(self, name: str, rows: list[dict[str, Any]]) -> None:
         """Write one of the tables beside results.csv whole (``PAIRS_FILE``: the pairwise link test,

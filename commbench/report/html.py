@@ -21,10 +21,14 @@ from commbench.report.modes import check_text, timing_text
 from commbench.report.sections import (
     PNG_URL,
     ExtraTables,
+    budget_section,
     figure_png,
     health_section,
+    kineto_section,
     pairs_html,
     pairs_markdown,
+    profile_section,
+    replicas_section,
 )
 from commbench.report.soak import soak_figure
 from commbench.report.tables import (
@@ -155,6 +159,10 @@ def summary_markdown(
     spread = window_spread_table(frame, "markdown")
     if spread:
         parts += ["## Spread over windows", "", WINDOW_NOTE, "", spread, ""]
+    parts += replicas_section(frame, "markdown")
+    parts += budget_section(frame, meta, spec, "markdown")
+    parts += profile_section(extras or ExtraTables(), "markdown")
+    parts += kineto_section(extras or ExtraTables(), "markdown")
     parts += pairs_markdown(extras or ExtraTables(), spec)
     parts += health_section(extras or ExtraTables(), "markdown")
     parts += ["## Environment", ""]
@@ -257,6 +265,10 @@ def report_html(
             f"<p>{esc(WINDOW_NOTE)}</p>",
             f'<div class="wide">{spread}</div>',
         ]
+    body += replicas_section(frame, "html")
+    body += budget_section(frame, meta, spec, "html")
+    body += profile_section(extras or ExtraTables(), "html")
+    body += kineto_section(extras or ExtraTables(), "html")
     body += pairs_html(extras or ExtraTables(), spec, verdict)
     body += health_section(extras or ExtraTables(), "html")
     if any(png for _, png in plots[2:]):

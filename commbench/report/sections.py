@@ -1,5 +1,6 @@
 """The report's tables beside results.csv (pairs.csv: the pairwise link test; health.csv: GPU health before
-and after) read from a folder, and their sections of summary.md and report.html (heatmaps, tables)."""
+and after; profile.csv, arrivals.csv, peers.csv: the profiler) read from a folder, and their sections of
+summary.md and report.html (heatmaps, tables, stacked bars)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import pandas as pd
 from commbench.inputs.specs import SystemSpec
 from commbench.report.frame import pair_frame
 from commbench.report.pairs import CLASS_WORDS, PAIRS_FILE, TEST_WORDS, heatmap_figure, pair_matrix
+from commbench.report.profile import ARRIVALS_FILE, PEERS_FILE, PROFILE_FILE
 from commbench.report.reading import read_table
 from commbench.report.tables import format_table
 from commbench.report.verdict import Verdict
@@ -45,6 +47,19 @@ class ExtraTables:
 
     pairs: pd.DataFrame = field(default_factory=pd.DataFrame)
     health: pd.DataFrame = field(default_factory=pd.DataFrame)
+    profile: pd.DataFrame = field(default_factory=pd.DataFrame)  # --profile: profile.csv
+    arrivals: pd.DataFrame = field(default_factory=pd.DataFrame)  # arrivals.csv
+    peers: pd.DataFrame = field(default_factory=pd.DataFrame)  # peers.csv
+    kineto: Any = None  # --torch-profiler: report.kineto_overlap.KinetoOverlap of kineto/rank<R>.json
+
+
+# The profiler's long tables, appended as phases finish: file -> ExtraTables field.
+EXTRA_APPENDED = {PROFILE_FILE: "profile", ARRIVALS_FILE: "arrivals", PEERS_FILE: "peers"}
+_REQUIRED = {
+    PROFILE_FILE: ("phase", "rank", "iteration", "step", "us"),
+    ARRIVALS_FILE: ("phase", "rank", "iteration", "entered_us", "waited_us"),
+    PEERS_FILE: ("phase", "src", "dst", "iteration", "seen_us"),
+}
 
 
 def read_extra_tables(out_dir: str | os.PathLike[str]) -> ExtraTables:
@@ -52,12 +67,60 @@ def read_extra_tables(out_dir: str | os.PathLike[str]) -> ExtraTables:
     folder = Path(out_dir)
     pairs = folder / PAIRS_FILE
     health = folder / HEALTH_FILE
+    profiled = {
+        field_name: read_table(folder / name, _REQUIRED[name])
+        if (folder / name).is_file()
+        else pd.DataFrame()
+        for name, field_name in EXTRA_APPENDED.items()
+    }
     return ExtraTables(
-        read_table(pairs, ("test", "src", "dst", "size_bytes", "time_us", "link_class"))
+        kineto=read_kineto(folder),
+        pairs=read_table(pairs, ("test", "src", "dst", "size_bytes", "time_us", "link_class"))
         if pairs.is_file()
         else pd.DataFrame(),
-        read_table(health, ("rank", "host", "device")) if health.is_file() else pd.DataFrame(),
+        health=read_table(health, ("rank", "host", "device")) if health.is_file() else pd.DataFrame(),
+        **profiled,
     )
+
+
+KINETO_FOLDER = "kineto"
+KINETO_NOTE = (
+    "torch.profiler (Kineto) traces of every rank's measured calls (kineto/rank<R>.json; load them in "
+    "ui.perfetto.dev). Kernels are classified as communication by a registry of names (NCCL, NVSHMEM, "
+    "commbench's put and wait kernels, torch symm_mem all_to_all_vdev, DeepEP, pplx; peer-to-peer copies), "
+    "not by a substring; everything else is compute. comm / compute = the union of their kernels' time on "
+    "the GPU; overlap = the time both ran at once; exposed = communication not hidden behind compute."
+)
+
+
+def read_kineto(folder: str | os.PathLike[str]) -> Any:
+    """The overlap analysis of a folder's kineto/ traces, or None when it has none."""
+    from commbench.report.kineto_overlap import overlap_from_folder, trace_files
+
+    traces = Path(folder) / KINETO_FOLDER
+    if not traces.is_dir() or not trace_files(traces):
+        return None
+    return overlap_from_folder(traces)
+
+
+def kineto_section(extras: ExtraTables, style: str) -> list[str]:
+    """The torch.profiler section: communication time and its overlap with compute per rank."""
+    from commbench.report.kineto_overlap import overlap_table
+
+    if extras.kineto is None:
+        return []
+    table = overlap_table(extras.kineto, style)
+    ranks = extras.kineto.ranks
+    if ranks.empty or not (pd.to_numeric(ranks.get("gpu_events"), errors="coerce").fillna(0) > 0).any():
+        table = "No GPU kernel in the traces (a CPU run): nothing to classify; the traces hold the CPU ops."
+    title = "Communication kernels and their overlap with compute (torch.profiler)"
+    if style == "markdown":
+        return [f"## {title}", "", KINETO_NOTE, "", table, ""]
+    return [
+        f"<h2>{html.escape(title)}</h2>",
+        f"<p>{html.escape(KINETO_NOTE)}</p>",
+        f'<div class="wide">{table}</div>',
+    ]
 
 
 def _flagged(verdict: Verdict | None) -> dict[str, dict[tuple[int, int], str]]:
@@ -195,3 +258,103 @@ def health_section(extras: ExtraTables, style: str) -> list[str]:
         table = format_table(_HEALTH_HEADERS, rows, "html", text_columns=set(range(11)))
         parts.append(f'<div class="wide">{table}</div>')
     return parts
+
+
+def profile_section(extras: ExtraTables, style: str) -> list[str]:
+    """The profiler's section (markdown or html): the per-step table, the stacked bars per rank (html), the
+    straggler table and the per-peer arrival matrix; nothing for a run without --profile."""
+    from commbench.report.profile import (
+        PROFILE_NOTE,
+        STRAGGLER_NOTE,
+        peer_table,
+        stacked_bars_figure,
+        step_table,
+        straggler_table,
+    )
+
+    if extras.profile.empty:
+        return []
+    steps = step_table(extras.profile, style)
+    stragglers = straggler_table(extras.arrivals, style) if not extras.arrivals.empty else None
+    peers = peer_table(extras.peers, style) if not extras.peers.empty else None
+    peer_note = (
+        "Per-peer arrival matrix (us after the receiver entered the call, p50): when each source's data was "
+        "seen, from the backend's per-source signals."
+    )
+    if style == "markdown":
+        parts = ["## Profile: where the time goes", "", PROFILE_NOTE, "", steps or "", ""]
+        if stragglers:
+            parts += ["## Who arrives late", "", STRAGGLER_NOTE, "", stragglers, ""]
+        if peers:
+            parts += ["### Per-peer arrivals", "", peer_note, "", peers, ""]
+        return parts
+    esc = html.escape
+    body = [
+        "<h2>Profile: where the time goes</h2>",
+        f"<p>{esc(PROFILE_NOTE)}</p>",
+        f'<div class="wide">{steps}</div>',
+    ]
+    figure = stacked_bars_figure(extras.profile)
+    if figure is not None:
+        title = "Per rank: p50 of each step per iteration (stacked)"
+        body.append(f'<h3>{esc(title)}</h3><img alt="{esc(title)}" src="{PNG_URL}{figure_png(figure)}">')
+    if stragglers:
+        body += [
+            "<h2>Who arrives late</h2>",
+            f"<p>{esc(STRAGGLER_NOTE)}</p>",
+            f'<div class="wide">{stragglers}</div>',
+        ]
+    if peers:
+        body += ["<h3>Per-peer arrivals</h3>", f"<p>{esc(peer_note)}</p>", peers]
+    return body
+
+
+BUDGET_TITLE = "Can the all-to-all hide behind the experts?"
+
+
+def budget_section(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec, style: str) -> list[str]:
+    """The comm/compute budget of the run's MoE cases (``report.budget``), for summary.md ("markdown") or
+    report.html ("html"); nothing when the run has no MoE case or its model cannot be read back."""
+    from commbench.errors import CommbenchError
+    from commbench.inputs.models import load_model
+    from commbench.report.budget import moe_budget
+
+    args = meta.get("args") or {}
+    names = args.get("model")
+    names = [names] if isinstance(names, str) else list(names or [])
+    models = []
+    for name in names:
+        try:
+            models.append(load_model(str(name)))
+        except CommbenchError:  # a model file moved away since the run: its cases are left out
+            continue
+    if not models:
+        return []
+    tflops = args.get("tflops")
+    from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
+
+    shown = with_knob_setting(frame)  # the knobs that vary between cases, as every other table shows them
+    if KNOB_SETTING_COLUMN in shown.columns:
+        shown = shown.assign(knobs=shown[KNOB_SETTING_COLUMN])
+    try:
+        text = moe_budget(shown, models, float(tflops) if tflops else None, spec, style)
+    except CommbenchError:
+        return []
+    if not text:
+        return []
+    if style == "markdown":
+        return [f"## {BUDGET_TITLE}", "", text, ""]
+    return [f"<h2>{html.escape(BUDGET_TITLE)}</h2>", f'<div class="wide">{text}</div>']
+
+
+def replicas_section(frame: pd.DataFrame, style: str) -> list[str]:
+    """What EPLB replicas buy (run/suite --replicas: each MoE case without and with replicas), or nothing."""
+    from commbench.report.replicas import REPLICAS_NOTE, replicas_table
+
+    table = replicas_table(frame, style) if not frame.empty else None
+    if not table:
+        return []
+    title = "What EPLB replicas buy"
+    if style == "markdown":
+        return [f"## {title}", "", REPLICAS_NOTE, "", table, ""]
+    return [f"<h2>{title}</h2>", f"<p>{html.escape(REPLICAS_NOTE)}</p>", f'<div class="wide">{table}</div>']

@@ -28,7 +28,7 @@ from commbench.run.liveness import RankMonitor, current_monitor
 from commbench.run.nccl_env import apply_nccl_error_env
 
 # Benchmark backends that run on an NCCL process group (one GPU per rank); every other one runs on gloo.
-_NCCL_BACKENDS = ("nccl", "nvshmem")
+_NCCL_BACKENDS = {"nccl", "nvshmem"}
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _TIMEOUT_WORDS = re.compile(r"timed out|timeout", re.IGNORECASE)
 # After a failure, how long rank 0 (holding the c10d store) waits for its live peers to leave first.
@@ -228,6 +228,11 @@ def _local_world_size(world_size: int) -> int:
         return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     except ValueError as exc:
         raise UsageError(f"torchrun's LOCAL_WORLD_SIZE is not an integer: {exc}") from exc
+
+
+def use_nccl_group(backend: str) -> None:
+    """Put ``backend``'s ranks on NCCL with one GPU each (a dispatcher adapter, when its class loads)."""
+    _NCCL_BACKENDS.add(backend)
 
 
 def process_group_backend(backend: str) -> str:

@@ -29,6 +29,7 @@ from commbench.run.comm import (
     resolve_world_size,
     running_under_torchrun,
     shutdown_comm,
+    use_nccl_group,
 )
 from commbench.run.launcher import free_port, launch_error, spawn
 from commbench.run.liveness import RankMonitor
@@ -49,6 +50,7 @@ __all__ = [
     "resolve_world_size",
     "running_under_torchrun",
     "shutdown_comm",
+    "use_nccl_group",
 ]
 
 

@@ -50,16 +50,20 @@ import numpy as np
 from commbench.errors import VerificationError
 from commbench.inputs.layout import Layout
 from commbench.plain import knobs_text
+from commbench.run import torch_profiler
+from commbench.run.clocks import estimate_offsets
 from commbench.run.interface import Backend
 from commbench.run.jobs import (
     CHECK_MODES,
     CHECK_WINDOW_LAST,
     BalancedJob,
+    MatrixJob,
     MoeJob,
     RunOptions,
     check_timing,
     job_backend_options,
 )
+from commbench.run.matrix import matrix_pattern, matrix_phase
 from commbench.run.phases import (
     MoeLayer,
     Phase,
@@ -69,12 +73,26 @@ from commbench.run.phases import (
     reference_traffic,
 )
 from commbench.run.placement import gather_layout
+from commbench.run.profile import PhaseProfile, RankProfile, gathered_profile
 from commbench.run.rows import NO_REFERENCE, RowMaker, reference_columns
+from commbench.run.steps import NO_STEPS, StepRecorder
 from commbench.traffic.pattern import Pattern, balanced_pattern
 from commbench.traffic.plan import RankPlan
 
 Sink = Callable[[list[dict], list[dict]], None]
-Emit = Callable[[dict, list[dict]], None]
+Emit = Callable[..., None]  # (row, rank rows, the Measured it came from)
+Profiler = Callable[[PhaseProfile], None]
+# The results-row keys that name a profiled phase in profile.csv, arrivals.csv and trace.json.
+PROFILE_CASE_KEYS = (
+    "pattern",
+    "skew",
+    "phase",
+    "size_bytes",
+    "window",
+    "knobs",
+    "tokens_per_rank",
+    "send_mode",
+)
 
 
 @dataclass(frozen=True)
@@ -88,6 +106,7 @@ class Measured:
     # return inside a window) until the rank entered the call: what differs between ranks when one is late.
     arrival: np.ndarray | None = None
     wait: np.ndarray | None = None  # float64 [ranks, calls]: host seconds inside each call (_TimedCalls)
+    profile: list[RankProfile] | None = None  # --profile: every rank's timed calls and steps
 
 
 def check_label(backend: Backend, opts: RunOptions, timing: str = "iteration") -> str:
@@ -107,13 +126,16 @@ def run_jobs(
     backend_class: type[Backend],
     sink: Sink | None = None,
     layout: Layout | None = None,
+    profiler: Profiler | None = None,
 ) -> tuple[list[dict], list[dict]]:
     """Run every job on ``backend_class``; returns (result rows, rank rows) on rank 0, empty lists elsewhere.
 
     ``sink(new_rows, new_rank_rows)`` is called on rank 0 with the rows of each (job, size, phase) as soon as
     they are final; rank rows carry ``job_index``, the position of their job in ``jobs``. Raises
     VerificationError on every rank after the first job with wrong > 0. ``layout`` (from ``gather_layout``,
-    a collective) is gathered here when not given.
+    a collective) is gathered here when not given. With ``opts.profile``, ``profiler(PhaseProfile)`` is called
+    on rank 0 with every phase's profile (every rank's calls and steps on rank 0's clock: the clock offsets
+    are estimated once here, a collective).
     """
     opts.check(comm.world_size)
     for job in jobs:
@@ -125,8 +147,14 @@ def run_jobs(
     rows: list[dict] = []
     rank_rows: list[dict] = []
     current = {"job_index": 0}
+    offsets = estimate_offsets(comm) if opts.profile else None
 
-    def emit(row: dict, new_rank_rows: list[dict]) -> None:
+    def emit(row: dict, new_rank_rows: list[dict], measured: Measured | None = None) -> None:
+        profiled = measured.profile if measured is not None else None
+        if comm.rank == 0 and profiler is not None and offsets is not None and profiled is not None:
+            case = {key: row.get(key) for key in PROFILE_CASE_KEYS}
+            sent = [int(r.get("sent_bytes") or 0) for r in new_rank_rows]
+            profiler(PhaseProfile(case, profiled, offsets, sent))
         if comm.rank == 0:
             # Which job of ``jobs`` a rank row came from: a flagged case is rerun from it (cli.acceptance).
             new_rank_rows = [{**rank_row, **current} for rank_row in new_rank_rows]
@@ -140,7 +168,7 @@ def run_jobs(
         for index, job in enumerate(jobs):
             current["job_index"] = index
             backend = backends.get(job_backend_options(job, opts))
-            run = _run_moe if isinstance(job, MoeJob) else _run_balanced
+            run = {MoeJob: _run_moe, MatrixJob: _run_matrix}.get(type(job), _run_balanced)
             maker = RowMaker(job, backend, layout, check_label(backend, opts, job.timing))
             failures = run(comm, backend, job, opts, maker, emit)
             if failures:
@@ -186,6 +214,9 @@ def bench(comm: Any, backend: Backend, job: MoeJob | BalancedJob, phase: Phase, 
     checking = mode in (*CHECK_MODES, CHECK_WINDOW_LAST)
     wrong: list[int] = []  # this rank's count per checked output
     calls = _TimedCalls(phase, opts.delay_s(comm.rank))
+    recorder = StepRecorder(comm.device) if opts.profile else None
+    backend.steps = recorder if recorder is not None else NO_STEPS
+    calls.recorder = recorder
     comm.heartbeat()
     with comm.guard(f"job {job.name!r} {phase.label}"):
         for _ in range(job.warmup):  # warm-up
@@ -201,14 +232,20 @@ def bench(comm: Any, backend: Backend, job: MoeJob | BalancedJob, phase: Phase, 
             phase.corrupt(output)
         wrong.append(phase.check.full(output))  # the last timed iteration, byte for byte
     comm.heartbeat()
-    gathered = comm.all_gather_object((seconds, wrong, calls.arrivals, calls.waits))
+    backend.steps = NO_STEPS
+    mine = None
+    if recorder is not None:
+        mine = RankProfile(calls.entered_at, calls.left_at, list(seconds), recorder.take())
+    gathered = comm.all_gather_object((seconds, wrong, calls.arrivals, calls.waits, mine))
     times = np.array([g[0] for g in gathered], dtype=np.float64)
     arrival = np.array([g[2] for g in gathered], dtype=np.float64)
     wait = np.array([g[3] for g in gathered], dtype=np.float64)
+    profile = gathered_profile([g[4] for g in gathered]) if recorder is not None else None
     if not checking:
-        return Measured(times, None, arrival=arrival, wait=wait)
+        return Measured(times, None, arrival=arrival, wait=wait, profile=profile)
     per_output = np.array([g[1] for g in gathered], dtype=np.int64).sum(axis=0)
-    return Measured(times, int(per_output.sum()), int(np.count_nonzero(per_output)), arrival, wait)
+    wrong_total, wrong_iters = int(per_output.sum()), int(np.count_nonzero(per_output))
+    return Measured(times, wrong_total, wrong_iters, arrival, wait, profile)
 
 
 class _TimedCalls:
@@ -221,6 +258,9 @@ class _TimedCalls:
         self.delay_s = delay_s
         self.arrivals: list[float] = []
         self.waits: list[float] = []
+        self.entered_at: list[float] = []  # host clock when each call began (the profiler's arrivals)
+        self.left_at: list[float] = []
+        self.recorder: StepRecorder | None = None  # --profile: the backend's steps of each call
         self._mark = self._entered = time.perf_counter()
 
     def mark(self) -> None:
@@ -232,11 +272,19 @@ class _TimedCalls:
             time.sleep(self.delay_s)
         self._entered = time.perf_counter()
         self.arrivals.append(self._entered - self._mark)
-        return self.phase.call()
+        self.entered_at.append(self._entered)
+        if self.recorder is not None:
+            self.recorder.begin()
+        with torch_profiler.measured(self.phase.label):  # a no-op unless --torch-profiler captures
+            return self.phase.call()
 
     def left(self) -> None:
         """The call is over (iteration timing: after the device synchronized; a window: when it returned)."""
-        self.waits.append(time.perf_counter() - self._entered)
+        now = time.perf_counter()
+        self.waits.append(now - self._entered)
+        self.left_at.append(now)
+        if self.recorder is not None:
+            self.recorder.end()
 
 
 def _timed_iterations(
@@ -325,7 +373,28 @@ def _run_balanced(
             *maker.rows(
                 "alltoall", pattern.dispatch_bytes, row_bytes, measured.seconds, measured.wrong,
                 arrival=measured.arrival, wait=measured.wait,
-            )
+            ),
+            measured,
+        )  # fmt: skip
+        failures += _failures(phase, measured, job)
+    return failures
+
+
+def _run_matrix(
+    comm: Any, backend: Backend, job: MatrixJob, opts: RunOptions, maker: RowMaker, emit: Emit
+) -> list[str]:
+    """Each given [src][dst] matrix (run.matrix) as one all-to-all-v, run like a balanced size: a row each."""
+    failures = []
+    for call in job.calls:
+        pattern = matrix_pattern(job.name, call)
+        phase = matrix_phase(comm, backend, call)
+        measured = bench(comm, backend, job, phase, opts)
+        emit(
+            *maker.rows(
+                call.name, pattern.dispatch_bytes, call.row_bytes, measured.seconds, measured.wrong,
+                arrival=measured.arrival, wait=measured.wait,
+            ),
+            measured,
         )  # fmt: skip
         failures += _failures(phase, measured, job)
     return failures
@@ -361,15 +430,18 @@ def _run_moe(
             arrival=measured.arrival,
             wait=measured.wait,
         )
+        # The comm/compute budget's input (report.budget): (token, expert) selections the busiest rank's
+        # experts receive, which set its expert FLOPs.
+        made[0]["busiest_rank_selections"] = int(pattern.stats["rank_recv_selections_max"])
         if opts.imbalance_cost:
-            held.append(made)
+            held.append((*made, measured))
         else:
-            emit(*made)
+            emit(*made, measured)
         failures += _failures(phase, measured, job)
     if opts.imbalance_cost:
         references, reference_failures = _imbalance_reference(comm, backend, job, opts, pattern, plans)
-        for row, rank_rows in held:
-            emit({**row, **references[row["phase"]]}, rank_rows)
+        for row, rank_rows, measured in held:
+            emit({**row, **references[row["phase"]]}, rank_rows, measured)
         failures += reference_failures
     return failures
 

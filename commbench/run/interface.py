@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from commbench.run.steps import NO_STEPS
 from commbench.traffic.plan import RankPlan
 
 
@@ -28,6 +29,9 @@ class Backend(abc.ABC):
     emulated: ClassVar[bool] = False
     # False where nothing is transferred (mock, sim hand back the expected rows): no verification, #wrong n/a.
     moves_data: ClassVar[bool] = True
+    # The profiler's recorder (run.steps): a backend marks the parts of its calls with
+    # ``with self.steps("pack"):``; the harness sets a StepRecorder under --profile, else it costs nothing.
+    steps: Any = NO_STEPS
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         self.comm = comm  # commbench.run.dist.Comm

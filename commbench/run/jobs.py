@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
+
 from commbench.errors import UsageError
 from commbench.inputs.layout import build_layout
 from commbench.traffic.pattern import SEND_MODES
@@ -101,7 +103,63 @@ class BalancedJob:
             balanced_row_bytes(world_size, int(size))
 
 
-Job = MoeJob | BalancedJob
+# A MatrixJob call's rows carry their row number in an int32 header field (traffic.payload).
+MAX_MATRIX_ROWS = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class MatrixCall:
+    """One all-to-all-v of a MatrixJob: the rows' phase name (e.g. "call 3 all_to_allv") and int64
+    [src][dst] bytes."""
+
+    name: str
+    matrix: np.ndarray
+
+    @property
+    def row_bytes(self) -> int:
+        """The rows the call is sent in: the gcd of its non-zero entries, so each (src, dst) is whole rows
+        (8 for a call that moves nothing)."""
+        moved = self.matrix[self.matrix > 0]
+        return int(np.gcd.reduce(moved)) if moved.size else HEADER_BYTES
+
+
+@dataclass
+class MatrixJob:
+    """Given [src][dst] byte matrices (a training trace's all-to-all calls, run.matrix): each call one
+    all-to-all-v through the backend's dispatch path, timed and verified like a balanced size (a row each)."""
+
+    kind: ClassVar[str] = "matrix"
+    name: str  # the rows' pattern, e.g. "kineto"
+    calls: list[MatrixCall] = field(default_factory=list)
+    warmup: int = 5
+    iters: int = 20
+    backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
+    timing: str = "window"  # TIMINGS: as the balanced sweep (nccl-tests' alltoallv_perf)
+    window: int = 0  # which measurement window of its case (suite --repeat): 0, 1, ...
+
+    def check(self, world_size: int) -> None:
+        """UsageError unless every call is a [world][world] matrix of whole non-negative bytes."""
+        _check_repeats(self.name, self.warmup, self.iters, self.timing)
+        if not self.calls:
+            raise UsageError(f"job {self.name!r}: no all-to-all call to run")
+        for call in self.calls:
+            matrix = np.asarray(call.matrix)
+            if matrix.shape != (world_size, world_size):
+                raise UsageError(
+                    f"job {self.name!r} {call.name}: a matrix of {list(matrix.shape)} bytes for {world_size} "
+                    f"ranks; run it with --world-size {matrix.shape[0] if matrix.ndim else 1}"
+                )
+            if matrix.dtype.kind not in "iu" or (matrix < 0).any():
+                raise UsageError(f"job {self.name!r} {call.name}: bytes must be whole numbers >= 0")
+            rows = int(matrix.sum(axis=1).max()) // call.row_bytes
+            if rows > MAX_MATRIX_ROWS:
+                raise UsageError(
+                    f"job {self.name!r} {call.name}: {rows} rows of {call.row_bytes} B from one rank (the "
+                    f"gcd of its entries) are more than {MAX_MATRIX_ROWS}"
+                )
+
+
+Job = MoeJob | BalancedJob | MatrixJob
 
 
 @dataclass
@@ -125,6 +183,9 @@ class RunOptions:
     # Test hook (--inject-delay SRC-DST:US): (src, dst, seconds); in the pairwise link test SRC sleeps this
     # long before each timed send to DST (run.pairwise), so that exactly that direction is slow.
     pair_delay: tuple[tuple[int, int, float], ...] = ()
+    # --profile: named steps per timed iteration, every rank's arrival on rank 0's clock (run.profile);
+    # needs iteration timing (each call synchronized: its steps are resolved after it).
+    profile: bool = False
 
     def delay_s(self, rank: int) -> float:
         """The injected delay of ``rank`` before each timed call, in seconds (0: none)."""

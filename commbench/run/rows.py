@@ -99,6 +99,8 @@ def row_knobs(backend: Backend, job: Job) -> dict[str, Any]:
     for key, value in (job.backend_options or {}).items():
         if f"{backend.name}_{key}" not in knobs:
             knobs.setdefault(key, value)
+    if isinstance(job, MoeJob) and job.routing.replicas:  # run --replicas: the case with EPLB replicas
+        knobs["replicas"] = job.routing.replicas
     return knobs
 
 

@@ -70,11 +70,12 @@ def destination_hits(topk_ids: np.ndarray, owner: np.ndarray, num_ranks: int) ->
 
 @dataclass(frozen=True)
 class RankCounts:
-    """What one rank's routed tokens send under contiguous expert placement (int64 arrays)."""
+    """What one rank's routed tokens send under contiguous expert (or replica slot) placement (int64)."""
 
     tokens: np.ndarray  # [world]: tokens to each rank, once per rank holding at least one of its experts
     selections: np.ndarray  # [world]: kept (token, expert) selections to each rank
     expert_load: np.ndarray  # [num_experts]: kept selections per expert (rank r's experts are contiguous)
+    slot_load: np.ndarray | None = None  # [slots]: kept selections per replica slot (--replicas), else None
 
     def send_counts(self, send_mode: str) -> np.ndarray:
         """Rows to each destination per slot, [world, slots], as a plan lays them out: token mode one slot
@@ -82,18 +83,26 @@ class RankCounts:
         check_send_mode(send_mode)
         if send_mode == "token":
             return self.tokens.reshape(-1, 1)
-        return self.expert_load.reshape(self.tokens.size, -1)
+        per_slot = self.expert_load if self.slot_load is None else self.slot_load
+        return per_slot.reshape(self.tokens.size, -1)
 
 
 def rank_counts(routing: Routing, num_experts: int, world_size: int) -> RankCounts:
-    """``routing``'s rows to every rank and selections per expert (contiguous placement)."""
-    owner = np.arange(num_experts, dtype=np.int64) // experts_per_rank(num_experts, world_size)
+    """``routing``'s rows to every rank and selections per expert (contiguous placement of the experts, or
+    of the replica slots with --replicas: ``Routing.destination_slots``)."""
+    slots, num_slots = routing.destination_slots(num_experts)
+    owner = np.arange(num_slots, dtype=np.int64) // experts_per_rank(num_slots, world_size)
     ids = routing.topk_ids.cpu().numpy()
-    hits = destination_hits(ids, owner, world_size)
+    slot_ids = slots.cpu().numpy()
+    hits = destination_hits(slot_ids, owner, world_size)
+    slot_load = None
+    if routing.slot_ids is not None:
+        slot_load = np.bincount(slot_ids[slot_ids >= 0], minlength=num_slots).astype(np.int64)
     return RankCounts(
         tokens=(hits > 0).sum(axis=0, dtype=np.int64),
         selections=hits.sum(axis=0, dtype=np.int64),
         expert_load=np.bincount(ids[ids >= 0], minlength=num_experts).astype(np.int64),
+        slot_load=slot_load,
     )
 
 

@@ -6,7 +6,8 @@ Layout conventions (binding, see docs/architecture.md):
   rows are grouped by destination rank, tokens ascending inside a group. ``send_key`` is the destination rank
   and ``combine_weight`` the sum of the token's weights on that rank's experts.
 - ``selection`` mode: one send row per kept (token, expert) selection, grouped by destination rank and ordered
-  by (expert, token) inside. ``send_key`` is the expert id and ``combine_weight`` the selection's weight.
+  by (expert, token) inside. ``send_key`` is the expert id (its replica slot with --replicas,
+  ``traffic.replicas``) and ``combine_weight`` the selection's weight.
   ``send_counts`` is per local expert ([world, experts_per_rank]), as per-expert dispatchers exchange it.
 - ``balanced`` (nccl-tests alltoall): ``world_size`` rows of ``size // world_size`` bytes, row i to rank i.
 - ``plan_balanced_moe`` (the imbalance-cost reference): a token- or selection-mode plan, laid out exactly as
@@ -77,7 +78,8 @@ class RankPlan:
 def plan_rank(routing: Routing, model: ModelConfig, world_size: int, send_mode: str = "token") -> RankPlan:
     """Send layout of one rank's routed tokens (see the module docstring for the order of rows)."""
     check_send_mode(send_mode)
-    per_rank = experts_per_rank(model.num_experts, world_size)
+    slots, num_slots = routing.destination_slots(model.num_experts)  # replica slots with --replicas
+    per_rank = experts_per_rank(num_slots, world_size)
     topk_ids = routing.topk_ids.to(device="cpu", dtype=torch.int64)
     topk_weights = routing.topk_weights.to(device="cpu", dtype=torch.float32)
     num_tokens, topk = topk_ids.shape
@@ -85,7 +87,7 @@ def plan_rank(routing: Routing, model: ModelConfig, world_size: int, send_mode: 
     token_of_selection = (
         torch.arange(num_tokens, dtype=torch.int64).unsqueeze(1).expand(num_tokens, topk)[kept]
     )
-    expert_of_selection = topk_ids[kept]
+    expert_of_selection = slots.to(device="cpu", dtype=torch.int64)[kept]  # the expert's slot
     weight_of_selection = topk_weights[kept]
 
     if send_mode == "token":

@@ -29,15 +29,17 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from commbench.errors import UsageError
+from commbench.inputs.expert_load import expert_weights
 from commbench.inputs.models import ModelConfig
 from commbench.inputs.skew import SkewSpec, load_trace
 from commbench.traffic.race import Race, route_chunk
+from commbench.traffic.replicas import Placement, check_replicas, place_replicas
 
 # Tokens routed per vectorized step. Fixed, because it is part of how the random stream is consumed:
 # changing it changes the routing drawn for a seed.
@@ -71,18 +73,22 @@ class RoutingConfig:
     seed: int = 0
     mask_ratio: float = 0.0  # fraction of selections dropped (-1), as DeepEP's masked ratio
     capacity_factor: float | None = None  # per (source rank, expert) capacity; None = no dropping
+    replicas: int = 0  # EPLB redundant experts (traffic.replicas, replica_placement); 0 = none
 
     def __post_init__(self) -> None:
         for name, what, least in (
             ("world_size", "world size", 1),
             ("tokens_per_rank", "tokens per rank", 1),
             ("seed", "seed", 0),
+            ("replicas", "--replicas", 0),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
                 raise UsageError(f"{what} must be an integer >= {least}, got {value!r}")
             object.__setattr__(self, name, int(value))  # numpy integers become plain ints (hashing, JSON)
         experts_per_rank(self.model.num_experts, self.world_size)
+        if self.replicas:
+            check_replicas(self.model.num_experts, self.world_size, self.replicas)
         if not 0.0 <= self.mask_ratio < 1.0:
             raise UsageError(f"mask ratio must be in [0, 1), got {self.mask_ratio!r}")
         if self.capacity_factor is not None and not (
@@ -104,6 +110,15 @@ class Routing:
     rank: int
     topk_ids: torch.Tensor  # int64 [tokens, topk]; -1 = dropped; the k ids of a token are distinct
     topk_weights: torch.Tensor  # float32 [tokens, topk]; 0 where dropped
+    slot_ids: torch.Tensor | None = None  # int64 [tokens, topk]: each selection's replica slot (--replicas)
+    num_slots: int = 0  # replica slots on all ranks, contiguous per rank (with slot_ids)
+
+    def destination_slots(self, num_experts: int) -> tuple[torch.Tensor, int]:
+        """(the slot of every selection, -1 where dropped; slots in all): slot s lives on rank s // (slots /
+        world). Without replicas every expert is its own slot (contiguous placement)."""
+        if self.slot_ids is None:
+            return self.topk_ids, num_experts
+        return self.slot_ids, self.num_slots
 
 
 def experts_per_rank(num_experts: int, world_size: int) -> int:
@@ -156,6 +171,10 @@ def _popularity(model: ModelConfig, skew: SkewSpec, world_size: int, seed: int) 
         return Popularity(weights=np.ones(num_experts))
     if skew.kind == "trace":
         return Popularity(weights=None)
+    if skew.kind == "load":  # a router's logged tokens per expert, as weights (mean 1)
+        weights = expert_weights(skew.load_path, num_experts, skew.load_layer, model.name)
+        busiest = np.argsort(-weights, kind="stable")[:topk]
+        return Popularity(weights=weights, hot_experts=tuple(int(e) for e in busiest))
     if skew.kind == "zipf":
         steepest = _ZIPF_MAX_LOG_RANGE / math.log(num_experts) if num_experts > 1 else math.inf
         if skew.zipf_s > steepest:
@@ -403,7 +422,24 @@ def route_rank(cfg: RoutingConfig, rank: int) -> Routing:
             keep &= _within_capacity(torch.where(keep, ids, -1), expert_fill, cfg.capacity)
         topk_ids[start:stop] = ids.masked_fill_(~keep, -1)
         topk_weights[start:stop] = _normalize(affinity, keep)
-    return Routing(rank=rank, topk_ids=topk_ids, topk_weights=topk_weights)
+    routing = Routing(rank=rank, topk_ids=topk_ids, topk_weights=topk_weights)
+    if cfg.replicas:  # every selection goes to one replica of its expert
+        placement = replica_placement(cfg)
+        routing.slot_ids = placement.slots_of(topk_ids, rank * tokens)
+        routing.num_slots = placement.num_slots
+    return routing
+
+
+@functools.lru_cache(maxsize=8)
+def replica_placement(cfg: RoutingConfig) -> Placement:
+    """EPLB placement of ``cfg.replicas`` from the measured expert load of this same routing (every rank
+    routed without replicas: what an operator would have recorded), identical on every rank."""
+    plain = replace(cfg, replicas=0)
+    load = np.zeros(cfg.model.num_experts, dtype=np.int64)
+    for rank in range(cfg.world_size):
+        ids = route_rank(plain, rank).topk_ids
+        load += np.bincount(ids[ids >= 0].numpy(), minlength=load.size)
+    return place_replicas(load, cfg.replicas, cfg.world_size)
 
 
 def _within_capacity(topk_ids: torch.Tensor, expert_fill: torch.Tensor, capacity: int) -> torch.Tensor:

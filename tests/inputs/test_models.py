@@ -178,3 +178,44 @@ def test_long_unknown_model_name_is_shortened():
     with pytest.raises(UsageError) as info:
         load_model("m" * 100_000)
     assert len(str(info.value)) < 400
+
+
+# One routed expert's FFN width, for the comm/compute budget (Hugging Face config.json of each model).
+EXPERT_WIDTH = {
+    "deepseek-v3": 2048,
+    "kimi-k2": 2048,
+    "qwen3-235b-a22b": 1536,
+    "qwen3-30b-a3b": 768,
+    "mixtral-8x22b": 16384,
+    "llama4-maverick": 8192,
+    "gpt-oss-120b": 2880,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_has_moe_intermediate_with_a_source_comment(name):
+    assert load_model(name).moe_intermediate == EXPERT_WIDTH[name]
+    text = (
+        Path(__file__).resolve().parents[2] / "commbench" / "inputs" / "presets" / f"{name}.yaml"
+    ).read_text()
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("moe_intermediate:"))
+    comment = " ".join(line for line in lines[max(0, at - 3) : at] if line.startswith("#"))
+    assert "intermediate_size" in comment and "config" in comment and str(EXPERT_WIDTH[name]) in comment
+
+
+def test_moe_intermediate_is_optional_in_a_user_file(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text(VALID)
+    assert load_model(str(path)).moe_intermediate is None
+    path.write_text(VALID + "moe_intermediate: 1408\n")
+    assert load_model(str(path)).moe_intermediate == 1408
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "2.5", "wide", "true"])
+def test_bad_moe_intermediate_is_one_line(tmp_path, value):
+    path = tmp_path / "mine.yaml"
+    path.write_text(VALID + f"moe_intermediate: {value}\n")
+    with pytest.raises(UsageError, match="moe_intermediate must be a positive integer") as info:
+        load_model(str(path))
+    assert "\n" not in str(info.value) and "mine.yaml" in str(info.value)

@@ -130,3 +130,36 @@ def test_load_spec_passes_a_spec_through():
     spec = SystemSpec(name="x", gpus_per_domain=2, nvlink_GBps_per_direction=1.0, nic_Gbps_per_direction=8.0)
     assert load_spec(spec) is spec
     assert math.isclose(spec.nic_GBps_per_direction, 1.0)
+
+
+# Dense (no 2:4 sparsity) tensor-core peaks per GPU, TFLOP/s: half the datasheets' "with sparsity" figures.
+DENSE_PEAKS = {
+    "gb300-nvl72": (2500, 5000),
+    "gb200-nvl72": (2500, 5000),
+    "hgx-b200": (2250, 4500),
+    "hgx-h100": (989.5, 1979),
+    "hgx-h200": (989.5, 1979),
+    "hgx-h800": (989.5, 1979),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DENSE_PEAKS))
+def test_every_catalogue_spec_has_its_dense_peaks_with_a_source(name):
+    from importlib import resources
+
+    spec = load_spec(name)
+    assert (spec.dense_tflops_bf16, spec.dense_tflops_fp8) == DENSE_PEAKS[name]
+    assert spec.dense_tflops_fp8 == 2 * spec.dense_tflops_bf16
+    lines = resources.files("commbench.inputs").joinpath("catalogue", f"{name}.yaml").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("dense_tflops_bf16:"))
+    comment = " ".join(line for line in lines[max(0, at - 4) : at] if line.startswith("#"))
+    assert "Source: NVIDIA" in comment and "sparsity" in comment and "dense" in comment
+
+
+def test_dense_peaks_are_optional_and_checked():
+    spec = parse_spec(GOOD)
+    assert spec.dense_tflops_bf16 is None and spec.dense_tflops_fp8 is None
+    assert parse_spec(GOOD + "dense_tflops_bf16: 1000\n").dense_tflops_bf16 == 1000.0
+    for bad, words in (("0", "must be positive"), ("-3", "must be positive"), ("fast", "must be a number")):
+        with pytest.raises(UsageError, match=f"dense_tflops_fp8 {words}"):
+            parse_spec(GOOD + f"dense_tflops_fp8: {bad}\n", source="bad.yaml")

@@ -233,6 +233,9 @@ def check_against_pattern(rows, rank_rows, job, world):
 def check_common(rows, imbalance_cost=False):
     for row in rows:
         extra = IMBALANCE_KEYS if imbalance_cost and row["phase"] != "alltoall" else set()
+        if row["phase"] != "alltoall":  # MoE rows carry the comm/compute budget's input
+            extra = extra | {"busiest_rank_selections"}
+            assert row["busiest_rank_selections"] > 0
         assert set(row) == RESULT_KEYS | extra
         # The balanced sweep is timed as nccl-tests (a window, its last output verified), MoE per iteration.
         timing, check = ("window", "window-last") if row["phase"] == "alltoall" else ("iteration", "checksum")

@@ -262,10 +262,11 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
         layout = self._phase("dispatch")
         heap, regions = self._heap_and_layout()
         staging = torch.from_numpy(heap.view(self.comm.rank, regions["dispatch_send"]))[: layout.send_rows]
-        if plan.send_mode == "balanced":
-            staging.copy_(tokens)
-        else:
-            torch.index_select(tokens, 0, plan.send_token_index, out=staging)
+        with self.steps("pack"):
+            if plan.send_mode == "balanced":
+                staging.copy_(tokens)
+            else:
+                torch.index_select(tokens, 0, plan.send_token_index, out=staging)
         buffer = self._run_phase("dispatch", layout, staging.numpy())
         return torch.from_numpy(buffer[: layout.recv_rows])
 
@@ -280,10 +281,12 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
                 f"{plan.combine_row_bytes} B"
             )
         staging = heap.view(self.comm.rank, regions["combine_send"])[:rows]
-        torch.from_numpy(staging).copy_(expert_out.contiguous().view(torch.uint8))
+        with self.steps("pack"):
+            torch.from_numpy(staging).copy_(expert_out.contiguous().view(torch.uint8))
         buffer = self._run_phase("combine", layout, staging)
         returned = torch.from_numpy(buffer[: layout.recv_rows]).view(expert_out.dtype)
-        return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
+        with self.steps("weighted reduce"):
+            return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
 
     def poison_receive_buffers(self) -> None:
         # Only this PE's regions: peers poison their own, before the barrier that precedes their puts.
@@ -322,14 +325,16 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
         recv_region, signal_region = regions[f"{phase}_recv"], regions[f"{phase}_signal"]
         value = proto.signal_value(layout.signals.op, epoch)
         add = layout.signals.op == "add"
-        for dst, src_row, dst_row, rows, word in layout.items_table().tolist():
-            if rows:
-                heap.put(dst, recv_region, side, dst_row, staging[src_row : src_row + rows])
-            fence()  # the payload is visible before the signal
-            words = heap.view(dst, signal_region)
-            words[word] = words[word] + value if add else value
-        fence()  # quiet: every put of this rank is complete
-        self._wait(phase, layout, heap.view(self.comm.rank, signal_region), expected, epoch)
+        with self.steps("put issue"):
+            for dst, src_row, dst_row, rows, word in layout.items_table().tolist():
+                if rows:
+                    heap.put(dst, recv_region, side, dst_row, staging[src_row : src_row + rows])
+                fence()  # the payload is visible before the signal
+                words = heap.view(dst, signal_region)
+                words[word] = words[word] + value if add else value
+            fence()  # quiet: every put of this rank is complete
+        with self.steps("signal wait"):
+            self._wait(phase, layout, heap.view(self.comm.rank, signal_region), expected, epoch)
         return heap.view(self.comm.rank, recv_region)[side]
 
     def _wait(
@@ -338,7 +343,14 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
         timeout_s = float(self.comm.timeout_s)
         deadline = time.monotonic() + timeout_s
         pause = _POLL_MIN_S
+        profiling = self.steps.enabled
+        sources = sorted({int(src) for src in layout.wait_source})
         while True:
+            if profiling:  # when each source's signals were first all seen (the per-peer arrival matrix)
+                missing = set(proto.missing_sources(layout, words, expected))
+                for src in sources:
+                    if src not in missing:
+                        self.steps.peer_arrival(src)
             if np.all(words[layout.wait_word] >= expected):
                 fence()  # reads of the payload come after the signal reads
                 return

@@ -294,12 +294,14 @@ class NvshmemBackend(DeclaredOptions, Backend):
     def dispatch(self, tokens: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
         layout = self._phases["dispatch"]
         if self._vdev is not None:
-            return self._vdev.dispatch(tokens, plan, layout, self._matrix[:, self.comm.rank, :])
+            with self.steps("payload transfer"):
+                return self._vdev.dispatch(tokens, plan, layout, self._matrix[:, self.comm.rank, :])
         staging = self._views["dispatch_send"][: layout.send_rows]
-        if plan.send_mode == "balanced":
-            staging.copy_(tokens)
-        else:
-            torch.index_select(tokens, 0, plan.send_token_index, out=staging)
+        with self.steps("pack"):
+            if plan.send_mode == "balanced":
+                staging.copy_(tokens)
+            else:
+                torch.index_select(tokens, 0, plan.send_token_index, out=staging)
         side = self._run_phase("dispatch", layout, plan.dispatch_row_bytes)
         return self._views["dispatch_recv"][side][: layout.recv_rows]
 
@@ -312,12 +314,15 @@ class NvshmemBackend(DeclaredOptions, Backend):
                 f"{layout.send_rows} of {plan.combine_row_bytes}"
             )
         if self._vdev is not None:
-            returned = self._vdev.combine(expert_out, plan, recv_counts, layout)
+            with self.steps("payload transfer"):
+                returned = self._vdev.combine(expert_out, plan, recv_counts, layout)
         else:
-            self._views["combine_send"][:rows].copy_(expert_out.contiguous().view(torch.uint8))
+            with self.steps("pack"):
+                self._views["combine_send"][:rows].copy_(expert_out.contiguous().view(torch.uint8))
             side = self._run_phase("combine", layout, plan.combine_row_bytes)
             returned = self._views["combine_recv"][side][: layout.recv_rows].view(expert_out.dtype)
-        return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
+        with self.steps("weighted reduce"):
+            return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
 
     def poison_receive_buffers(self) -> None:
         # Both sides of each receive region, and the vdev2d variant's outputs (memsets; the harness syncs).
@@ -352,8 +357,10 @@ class NvshmemBackend(DeclaredOptions, Backend):
     def _run_phase(self, phase: str, layout: proto.PhaseLayout, row_bytes: int) -> int:
         """Launch the put and wait kernels of one iteration; returns the receive buffer's parity."""
         epoch, _expected = self._trackers[phase].advance(layout)
-        self.launch_puts(phase, layout, row_bytes, epoch)
-        self._launch_waits(phase, layout, epoch)
+        with self.steps("put issue"):  # the put kernel (CUDA events around it under --profile)
+            self.launch_puts(phase, layout, row_bytes, epoch)
+        with self.steps("signal wait"):  # the wait kernel: until every source's signals arrived
+            self._launch_waits(phase, layout, epoch)
         return proto.parity(epoch)
 
     def launch_puts(self, phase: str, layout: proto.PhaseLayout, row_bytes: int, epoch: int) -> None:

@@ -1,0 +1,328 @@
+"""What the dispatcher adapters share: the lazy library import, a plan as top-k routing, received rows put
+back in commbench's order, the expert-side weighting, held outputs poisoned, and how a library defines the
+bandwidth it prints.
+
+How a plan maps onto a dispatcher. A plan's send rows are (token, key) pairs: key = destination rank in
+token mode (a token goes once to each rank holding one of its experts, DeepEP normal kernels) and in the
+balanced all-to-all (token i to rank i), expert id in selection mode (one row per (token, expert)). The
+adapter gives the library a routing that produces exactly those rows: ``topk_idx[t, j]`` = the key of token
+t's j-th row, read as an expert id; in token mode every rank then holds one "expert" (``experts_per_rank``
+1), so per-rank de-duplication and per-expert copies both give one row per (token, destination rank).
+``topk_weights[t, j]`` = that row's combine weight. Unused entries are -1 / 0. The width K is the most rows
+any token of any rank has (``PeerShape``), so every rank builds the library's buffers alike.
+
+Rows travel as the library's token payload: the uint8 row viewed as bf16 elements where the library wants
+bf16 (DeepEP, UCCL-EP, NCCL EP: row bytes / 2 elements; the library copies bytes, so every byte arrives as
+sent), or as raw bytes where it takes a byte size (pplx-kernels). Rows must be a multiple of 16 bytes (the
+libraries move 16-byte vectors).
+
+Order. A library receives rows in its own layout (per expert, per channel, ...). commbench verifies rows in
+source-rank order, each source's rows in the order it sent them (token mode: tokens ascending; selection
+mode: by (expert, token)). Every row starts with its source rank and token index (``traffic.payload``), so
+``order_keys`` sorts by (source, slot the library put the row in, token): a row the library misdelivered
+lands out of place and verification counts it. When the library's order already is commbench's (DeepEP
+normal intranode), nothing is copied; else one gather of the received rows runs inside the timed call, as
+a framework's un-permute would.
+
+Counts. These libraries exchange their counts inside their dispatch call (timed); commbench's own
+``recv_counts`` (which the harness uses to derive expert outputs) come from every rank's plan, as the
+expected rows do, so ``exchange_counts`` adds no collective.
+
+Combine. Each library reduces in bf16 (or fp16) and hands back bf16: the rows returned here are that
+output widened to float32, so they carry bf16 rounding, about 2^-8 relative (``combine_rtol``). Where the
+library sums without weights (DeepEP normal, Hybrid-EP, NCCL EP HT), the expert side multiplies each row by
+the weights the library delivered with it (its local top-k weights), as a model's expert layer does; where
+it weights on the token's side (low-latency kernels, pplx-kernels), the token owner's top-k weights go in.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from commbench.backends.adapters.bandwidth import LibraryBandwidth
+from commbench.backends.base import grown_buffer
+from commbench.backends.options import DeclaredOptions
+from commbench.errors import UsageError
+from commbench.run.dist import process_group_backend, use_nccl_group
+from commbench.run.interface import Backend
+from commbench.traffic.payload import HEADER_BYTES, poison_
+from commbench.traffic.plan import RankPlan
+
+ROW_ALIGN_BYTES = 16
+# Bounds of the buffer-size and SM knobs: far beyond any GPU, they only refuse typos.
+MAX_BUFFER_BYTES = 1 << 40
+MAX_SMS = 1024
+MAX_QPS = 1024
+# bf16 keeps 8 significant bits: a value rounded once to bf16 is within 2^-9 of it. The expert side's
+# weighted row and the library's bf16 output are two roundings (plus float32 accumulation): 2^-7 bounds them.
+BF16_COMBINE_RTOL = 2.0**-7
+
+
+@dataclass(frozen=True)
+class PeerShape:
+    """The exchange as every rank's plans describe it, the same on every rank (so every rank sizes the
+    library's buffers alike)."""
+
+    world_size: int
+    send_mode: str
+    experts_per_rank: int  # selection mode: the model's; token mode and balanced: 1 (one key per rank)
+    topk: int  # K: the most send rows of one token on any rank (>= 1)
+    max_tokens: int  # the most tokens on any rank (>= 1)
+    row_bytes: int  # dispatch row bytes
+    hidden: int  # combine row elements (bf16); 0 without a combine phase (balanced)
+    uniform: bool  # every token of every rank has exactly ``topk`` rows (no token routed to fewer)
+
+    @property
+    def num_experts(self) -> int:
+        return self.world_size * self.experts_per_rank
+
+    @classmethod
+    def of(cls, plans: Sequence[RankPlan]) -> PeerShape:
+        first = plans[0]
+        per_rank = int(first.send_counts.shape[1]) if first.send_mode == "selection" else 1
+        per_token = [torch.bincount(plan.send_token_index.cpu(), minlength=plan.num_tokens) for plan in plans]
+        topk = max([1, *(int(rows.max()) for rows in per_token if rows.numel())])
+        return cls(
+            world_size=first.world_size,
+            send_mode=first.send_mode,
+            experts_per_rank=per_rank,
+            topk=topk,
+            max_tokens=max([1, *(plan.num_tokens for plan in plans)]),
+            row_bytes=int(first.dispatch_row_bytes),
+            hidden=int(first.combine_row_bytes) // 2,
+            uniform=all(bool((rows == topk).all()) for rows in per_token),
+        )
+
+
+def routed_tokens(plan: RankPlan, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(topk_idx int64 [T, topk], topk_weights float32 [T, topk]) whose selections are exactly ``plan``'s
+    send rows (module docstring), on the plan's device; unused entries -1 and 0. A token's rows keep the
+    plan's order (ascending key)."""
+    token = plan.send_token_index
+    device = token.device
+    count = token.numel()
+    topk_idx = torch.full((plan.num_tokens, topk), -1, dtype=torch.int64, device=device)
+    topk_weights = torch.zeros((plan.num_tokens, topk), dtype=torch.float32, device=device)
+    if count:
+        order = torch.argsort(token, stable=True)
+        sorted_token = token[order]
+        rows = torch.bincount(token, minlength=plan.num_tokens)
+        first = torch.cumsum(rows, 0) - rows
+        position = torch.arange(count, device=device) - first[sorted_token]
+        topk_idx[sorted_token, position] = plan.send_key[order]
+        topk_weights[sorted_token, position] = plan.combine_weight[order].to(torch.float32)
+    return topk_idx, topk_weights
+
+
+def order_keys(rows: torch.Tensor, slot: torch.Tensor | int, num_slots: int) -> torch.Tensor:
+    """int64 sort key of each received uint8 row: (source rank, ``slot``, token index), the source and token
+    read from the row's header. Sorting by it gives commbench's order (``slot`` = the local expert a
+    per-expert library put the row in; 0 for flat layouts)."""
+    header = rows[:, :HEADER_BYTES].contiguous().view(torch.int32).to(torch.int64)
+    source, token = header[:, 0], header[:, 1] & 0xFFFFFFFF
+    return ((source * num_slots + slot) << 32) + token
+
+
+def expert_major_slots(
+    counts: Sequence[int], capacity: int, device: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat row index into an [experts, capacity, ...] buffer, local expert of each row) of the first
+    ``counts[e]`` rows of every expert ``e``."""
+    sizes = torch.tensor(list(counts), dtype=torch.int64, device=device)
+    total = int(sum(counts))
+    expert = torch.repeat_interleave(torch.arange(len(counts), device=device), sizes, output_size=total)
+    first = torch.cumsum(sizes, 0) - sizes
+    within = torch.arange(total, device=device) - first[expert]
+    return expert * capacity + within, expert
+
+
+class DispatcherBackend(DeclaredOptions, Backend):
+    """A backend that drives another library's dispatch/combine (the subclasses: one per library).
+
+    A subclass names its library (``LIBRARY``: the module imported lazily; ``DISPLAY``, ``INSTALL``,
+    ``API_VERSION``: the version whose API it follows), declares its knobs (``OPTIONS``) and how its
+    library defines bandwidth (``BANDWIDTH``), and implements ``prepare`` (the library's buffers for a
+    job, untimed, collective), ``dispatch`` and ``combine``."""
+
+    LIBRARY: ClassVar[str] = ""
+    DISPLAY: ClassVar[str] = ""
+    INSTALL: ClassVar[str] = ""
+    API_VERSION: ClassVar[str] = ""
+    BANDWIDTH: ClassVar[tuple[LibraryBandwidth, ...]] = ()  # how the library defines its figures
+    # The torch.distributed group the library needs its ranks on (one GPU per rank, NCCL).
+    process_group: ClassVar[str] = "nccl"
+    # The combine output's precision: the library reduces in bf16 (module docstring).
+    combine_rtol: ClassVar[float] = BF16_COMBINE_RTOL
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.process_group == "nccl" and getattr(cls, "name", ""):
+            use_nccl_group(cls.name)  # its ranks get NCCL and one GPU each, as nccl and nvshmem ranks
+
+    @classmethod
+    def import_library(cls) -> ModuleType:
+        """The library's module; UsageError (one line) naming what to install when it does not import."""
+        try:
+            return importlib.import_module(cls.LIBRARY)
+        except Exception as exc:  # noqa: BLE001 - a broken install fails any way; the reason is the message
+            text = " ".join(str(exc).split())[:200]
+            raise UsageError(
+                f"--backend {cls.name} needs {cls.DISPLAY} ({cls.INSTALL}); import {cls.LIBRARY} failed: "
+                f"{type(exc).__name__}: {text}"
+            ) from None
+
+    @classmethod
+    def check_available(cls) -> None:
+        """UsageError (one line, exit 2) unless the library imports, this host has CUDA devices and the
+        launch puts this backend's ranks on the process group it needs (one GPU per rank, NCCL)."""
+        cls.import_library()
+        if torch.cuda.device_count() < 1:
+            raise UsageError(
+                f"--backend {cls.name} needs CUDA GPUs ({cls.DISPLAY} runs on GPUs only); this host has no "
+                "CUDA device"
+            )
+        given = process_group_backend(cls.name)
+        if given != cls.process_group:
+            raise UsageError(
+                f"--backend {cls.name} needs one GPU per rank on a {cls.process_group} process group, but "
+                f"the launch puts its ranks on {given} (run.comm.process_group_backend); see docs/plugins.md"
+            )
+
+    def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
+        super().__init__(comm, options)
+        self.settings = self.check_options(self.options)
+        self.lib = self.import_library()
+        self.group = comm.group if comm.group is not None else dist.group.WORLD
+        self.shape: PeerShape | None = None
+        self.topk_idx = torch.zeros(0, 1, dtype=torch.int64)
+        self.topk_weights = torch.zeros(0, 1, dtype=torch.float32)
+        self._peers: list[RankPlan] | None = None
+        self._recv_counts = torch.zeros(0, 1, dtype=torch.int64)
+        self._held: dict[str, torch.Tensor] = {}
+        self._rows: torch.Tensor | None = None
+        self._combined: torch.Tensor | None = None
+        self._weighted: torch.Tensor | None = None
+
+    @property
+    def library_version(self) -> str:
+        return str(getattr(self.lib, "__version__", "") or "unknown")
+
+    def setup_peers(self, plans: Sequence[RankPlan]) -> None:
+        self._peers = list(plans)
+
+    def setup(self, plan: RankPlan) -> None:
+        if self._peers is None:
+            raise RuntimeError(f"{type(self).__name__}.setup needs setup_peers(plans of every rank) first")
+        shape = PeerShape.of(self._peers)
+        if shape.row_bytes < ROW_ALIGN_BYTES or shape.row_bytes % ROW_ALIGN_BYTES:
+            raise UsageError(
+                f"--backend {self.name}: rows of {shape.row_bytes} B cannot travel through {self.DISPLAY}, "
+                f"which moves tokens in {ROW_ALIGN_BYTES}-byte units; use row sizes that are a multiple of "
+                f"{ROW_ALIGN_BYTES} B (balanced sizes of {ROW_ALIGN_BYTES} x ranks bytes and multiples)"
+            )
+        me = self.comm.rank
+        self.shape = shape
+        self._recv_counts = torch.stack([peer.send_counts[me].cpu() for peer in self._peers]).to(
+            self.comm.device
+        )
+        self.topk_idx, self.topk_weights = routed_tokens(plan, shape.topk)
+        self._held = {}
+        self.prepare(plan, shape)
+
+    def prepare(self, plan: RankPlan, shape: PeerShape) -> None:
+        """The library's buffers for this job (untimed; every rank calls it at the same point)."""
+        raise NotImplementedError
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        # The library exchanges its counts inside its dispatch call (timed); see the module docstring.
+        return self._recv_counts
+
+    def hold(self, **outputs: torch.Tensor | None) -> None:
+        """Keep the library outputs the last call read (by name: a dispatch's replace the previous
+        dispatch's), so ``poison_receive_buffers`` poisons them and memory recycled from them holds the
+        sentinel: a call that silently moves nothing cannot pass on an earlier call's rows."""
+        self._held.update((name, out) for name, out in outputs.items() if isinstance(out, torch.Tensor))
+
+    def poison_receive_buffers(self) -> None:
+        for buffer in (*self._held.values(), self._rows, self._combined):
+            if buffer is not None and buffer.is_contiguous():
+                poison_(buffer)
+
+    def flat_rows(self, received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(rows in commbench's order, the permutation applied or None) of a flat receive buffer (uint8
+        [n, row_bytes]); no copy when the library's order already is commbench's."""
+        with self.steps("unpack"):
+            keys = order_keys(received, 0, 1)
+            if keys.numel() < 2 or bool((keys[1:] >= keys[:-1]).all()):
+                return received, None
+            permutation = torch.argsort(keys, stable=True)
+            return self.gather_rows(received, permutation), permutation
+
+    def expert_major_rows(
+        self, received: torch.Tensor, counts: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows in commbench's order, their flat index into the buffer) of a per-expert receive buffer
+        (uint8 [experts, capacity, row_bytes], the first ``counts[e]`` rows of expert e valid)."""
+        experts, capacity, row_bytes = received.shape
+        flat = received.reshape(experts * capacity, row_bytes)
+        # A library that wrote nothing leaves poisoned counts (-1): no rows, which verification counts.
+        counts = [min(max(int(count), 0), capacity) for count in counts]
+        with self.steps("unpack"):
+            index, expert = expert_major_slots(counts, capacity, received.device)
+            keys = order_keys(flat[:, :HEADER_BYTES].index_select(0, index), expert, experts)
+            index = index[torch.argsort(keys, stable=True)]
+            return self.gather_rows(flat, index), index
+
+    def gather_rows(self, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        count = int(index.numel())
+        self._rows = grown_buffer(self._rows, count, tuple(source.shape[1:]), source.dtype, source.device)
+        return torch.index_select(source, 0, index, out=self._rows[:count])
+
+    def weighted_rows(self, expert_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """bf16 ``expert_out * weights`` per row (float32 product, one rounding), in a reused buffer: what an
+        expert layer hands a library that sums combine rows without weights."""
+        count, hidden = int(expert_out.shape[0]), int(expert_out.shape[1])
+        self._weighted = grown_buffer(self._weighted, count, (hidden,), torch.bfloat16, expert_out.device)
+        with self.steps("weight"):  # computed in float32, rounded once into the bf16 buffer
+            return torch.mul(expert_out, weights.to(torch.float32).unsqueeze(1), out=self._weighted[:count])
+
+    def combined(self, output: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The library's combine output (bf16 [>= num_tokens, hidden]) as float32 [num_tokens, hidden] in a
+        reused buffer."""
+        hidden = int(output.shape[1])
+        self._combined = grown_buffer(self._combined, num_tokens, (hidden,), torch.float32, output.device)
+        with self.steps("widen"):
+            return self._combined[:num_tokens].copy_(output[:num_tokens])
+
+    def stream_pointer(self) -> int:
+        """The current CUDA stream of this rank's device as an integer handle (0 on CPU)."""
+        device = self.comm.device
+        return int(torch.cuda.current_stream(device).cuda_stream) if device.type == "cuda" else 0
+
+    def close(self) -> None:
+        self._held = {}
+        self._rows = self._combined = self._weighted = None
+
+
+def local_weights(topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """float32 [n]: per received row, the sum of its weights on this rank's experts (entries whose local
+    expert index is -1 are other ranks')."""
+    return torch.where(topk_idx >= 0, topk_weights.to(torch.float32), 0.0).sum(dim=1)
+
+
+def scatter_rows(rows: torch.Tensor, permutation: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """``rows`` (commbench's order) into ``out`` in the library's order: out[permutation[i]] = rows[i];
+    ``rows`` itself when the orders agree (``permutation`` None)."""
+    if permutation is None:
+        return rows
+    count = int(rows.shape[0])
+    target = out[:count]
+    target.index_copy_(0, permutation, rows)
+    return target

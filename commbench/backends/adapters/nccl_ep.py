@@ -1,0 +1,250 @@
+"""NCCL EP adapter (``--backend nccl-ep``): NCCL's expert-parallel dispatch and combine via nccl4py's nccl.ep.
+
+NCCL EP (github.com/NVIDIA/nccl, ``contrib/nccl_ep``: ``ncclEpCreateGroup``, ``ncclEpCreateHandle``,
+``ncclEpDispatch``, ``ncclEpCombine``) has a Python binding: nccl4py's ``nccl.ep`` package
+(``bindings/nccl4py/nccl/ep``: ``Group``, ``GroupConfig``, ``Handle``, ``Tensor``, the ``Dispatch*`` /
+``Combine*`` bundles, ``interop.torch.get_nccl_comm_from_group``). Follows nccl4py 0.3.1 at NVIDIA/nccl
+master 5067397, read at the source (``nccl/ep/*.py``, ``contrib/nccl_ep/include/nccl_ep.h``,
+``contrib/nccl_ep/ep_test.py``); not run here (no GPU; nccl4py's NCCL EP supports CUDA 13 only).
+
+- ``mode=ht`` (``Algorithm.HIGH_THROUGHPUT``, ``Layout.FLAT``): the routing is bound to the handle
+  (``Handle.update(topk_idx)``, which exchanges the metadata, inside the timed dispatch), ``dispatch``
+  with ``DispatchInputs(tokens, topk_weights)`` into ``DispatchOutputs(tokens [slots, hidden], topk_weights,
+  topk_idx)`` (received rows first, local expert indices, -1 unused), ``combine`` of ``[N(r), hidden]`` rows
+  (a sum without weights in the forward pass: the expert side weights its rows with the received weights).
+  A token goes once per destination rank: ``--send-mode token`` (or the balanced all-to-all).
+- ``mode=ll`` (``Algorithm.LOW_LATENCY``, ``Layout.EXPERT_MAJOR``): ``dispatch`` into ``[local experts,
+  max tokens x ranks, hidden]`` with ``LayoutInfo(expert_counters)``, ``combine`` with
+  ``CombineOutputs(tokens, topk_weights)`` (weighted on the token's side). One row per selection; rows
+  travel as BF16 of the combine's hidden size both ways (BF16 dispatch rows).
+
+Tokens are commbench's rows viewed as BF16 (``max_token_bytes`` = the larger row). Knobs: ``mode``,
+``num_channels``, ``max_num_sms``, ``num_qp_per_rank``, ``rdma_buffer_size`` (0 = NCCL EP's choice), and in
+the rows ``nccl4py_version``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from importlib import metadata
+from typing import Any, ClassVar
+
+import torch
+
+from commbench.backends.adapters.bandwidth import NCCL_EP
+from commbench.backends.adapters.common import (
+    MAX_BUFFER_BYTES,
+    MAX_QPS,
+    MAX_SMS,
+    DispatcherBackend,
+    PeerShape,
+    local_weights,
+    scatter_rows,
+)
+from commbench.backends.options import BackendOption
+from commbench.errors import UsageError
+from commbench.traffic.plan import RankPlan
+
+HT, LL = "ht", "ll"
+MAX_CHANNELS = 1024
+
+
+class NcclEpBackend(DispatcherBackend):
+    name = "nccl-ep"
+    LIBRARY = "nccl.ep"
+    DISPLAY = "NCCL EP"
+    INSTALL = "pip install nccl4py[cu13] (nccl4py >= 0.3.1, which ships NCCL EP as nccl.ep)"
+    API_VERSION = "nccl4py 0.3.1 nccl.ep (NVIDIA/nccl master 5067397)"
+    BANDWIDTH = NCCL_EP
+    OPTIONS: ClassVar[tuple[BackendOption, ...]] = (
+        BackendOption(
+            "mode", str, HT, "ht (high throughput, flat) or ll (low latency, per expert)", choices=(HT, LL)
+        ),
+        BackendOption(
+            "num_channels",
+            int,
+            0,
+            "channels per rank (HT: 2 SMs each); 0 = auto",
+            minimum=0,
+            maximum=MAX_CHANNELS,
+        ),
+        BackendOption("max_num_sms", int, 0, "most SMs for EP kernels; 0 = auto", minimum=0, maximum=MAX_SMS),
+        BackendOption("num_qp_per_rank", int, 0, "QPs per rank; 0 = auto", minimum=0, maximum=MAX_QPS),
+        BackendOption(
+            "rdma_buffer_size", int, 0, "RDMA buffer bytes; 0 = default", minimum=0, maximum=MAX_BUFFER_BYTES
+        ),
+    )
+
+    def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
+        super().__init__(comm, options)
+        self.mode: str = self.settings["mode"]
+        self.nccl_comm: Any = None
+        self.ep_group: Any = None
+        self.handle: Any = None
+        self._key: tuple[Any, ...] = ()
+        self._permutation: torch.Tensor | None = None
+        self._recv_weights = torch.zeros(0)
+        self._index = torch.zeros(0, dtype=torch.int64)
+        self._count = 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} {self.mode}"
+
+    @property
+    def library_version(self) -> str:
+        try:
+            return metadata.version("nccl4py")
+        except metadata.PackageNotFoundError:
+            return "unknown"
+
+    def knobs(self) -> dict[str, Any]:
+        tunables = {key: self.settings[key] for key in ("num_channels", "max_num_sms", "num_qp_per_rank")}
+        return {
+            "mode": self.mode,
+            **tunables,
+            "rdma_buffer_size": self.settings["rdma_buffer_size"],
+            "nccl4py_version": self.library_version,
+        }
+
+    def prepare(self, plan: RankPlan, shape: PeerShape) -> None:
+        if self.mode == HT and shape.send_mode == "selection":
+            raise UsageError(
+                f"--backend {self.name} mode=ht sends a token once per destination rank: use --send-mode "
+                "token (or mode=ll for one row per (token, expert))"
+            )
+        if self.mode == LL and shape.hidden and shape.row_bytes != 2 * shape.hidden:
+            raise UsageError(
+                f"--backend {self.name} mode=ll moves BF16 tokens of one hidden size both ways; this model's "
+                f"dispatch rows are {shape.row_bytes} B and its combine rows {2 * shape.hidden} B (FP8 "
+                "dispatch): use a model with dispatch_dtype bf16, or mode=ht"
+            )
+        lib, device = self.lib, self.comm.device
+        key = (shape.num_experts, shape.max_tokens, shape.row_bytes, shape.hidden)
+        if self.ep_group is None or key != self._key:
+            self._destroy_group()
+            if self.nccl_comm is None:
+                interop = importlib.import_module(f"{self.LIBRARY}.interop.torch")
+                self.nccl_comm = interop.get_nccl_comm_from_group(self.group)
+            config = lib.GroupConfig(
+                algorithm=lib.Algorithm.HIGH_THROUGHPUT if self.mode == HT else lib.Algorithm.LOW_LATENCY,
+                num_experts=shape.num_experts,
+                max_dispatch_tokens_per_rank=shape.max_tokens,
+                max_recv_tokens_per_rank=shape.max_tokens * shape.world_size,
+                max_token_bytes=max(shape.row_bytes, 2 * shape.hidden),
+                rdma_buffer_size=self.settings["rdma_buffer_size"],
+                num_qp_per_rank=self.settings["num_qp_per_rank"],
+                num_channels=self.settings["num_channels"],
+                max_num_sms=self.settings["max_num_sms"],
+            )
+            self.ep_group = lib.Group.create(self.nccl_comm, config)
+            self._key = key
+        self._destroy_handle()
+        self.topk_tensor = lib.Tensor(self.topk_idx)
+        self.weights_tensor = lib.Tensor(self.topk_weights)
+        layout = lib.Layout.FLAT if self.mode == HT else lib.Layout.EXPERT_MAJOR
+        self.handle = self.ep_group.create_handle(
+            layout, self.topk_tensor, config=lib.HandleConfig(), stream=self.stream_pointer()
+        )
+        self._buffers(shape, device)
+
+    def _buffers(self, shape: PeerShape, device: torch.device) -> None:
+        lib = self.lib
+        capacity, width, hidden = shape.max_tokens * shape.world_size, shape.row_bytes // 2, shape.hidden
+        combine_hidden = hidden or width
+        self.combine_out = torch.empty(
+            (shape.max_tokens, combine_hidden), dtype=torch.bfloat16, device=device
+        )
+        if self.mode == HT:
+            self.recv_tokens = torch.empty((capacity, width), dtype=torch.bfloat16, device=device)
+            self.recv_weights = torch.zeros((capacity, shape.topk), dtype=torch.float32, device=device)
+            self.recv_idx = torch.full((capacity, shape.topk), -1, dtype=torch.int64, device=device)
+            self.combine_in = torch.zeros((capacity, combine_hidden), dtype=torch.bfloat16, device=device)
+            self.dispatch_out = lib.DispatchOutputs(
+                tokens=lib.Tensor(self.recv_tokens),
+                topk_weights=lib.Tensor(self.recv_weights),
+                topk_idx=lib.Tensor(self.recv_idx),
+            )
+            self.layout_info = None
+            return
+        experts = shape.experts_per_rank
+        self.recv_tokens = torch.empty((experts, capacity, width), dtype=torch.bfloat16, device=device)
+        self.expert_counts = torch.zeros(experts, dtype=torch.int32, device=device)
+        self.combine_in = torch.zeros(
+            (experts, capacity, combine_hidden), dtype=torch.bfloat16, device=device
+        )
+        self.dispatch_out = lib.DispatchOutputs(tokens=lib.Tensor(self.recv_tokens))
+        self.layout_info = lib.LayoutInfo(expert_counters=lib.Tensor(self.expert_counts))
+
+    def dispatch(self, tokens: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
+        lib, stream = self.lib, self.stream_pointer()
+        with self.steps("layout"):  # HT: the routing metadata exchange
+            self.handle.update(self.topk_tensor, stream=stream)
+        sent = lib.Tensor(tokens.view(torch.bfloat16))
+        # HT's forward pass takes the routing weights with the tokens; LL gets them at combine.
+        inputs = lib.DispatchInputs(
+            tokens=sent, topk_weights=self.weights_tensor if self.mode == HT else None
+        )
+        with self.steps("library dispatch"):
+            self.handle.dispatch(
+                inputs,
+                self.dispatch_out,
+                layout_info=self.layout_info,
+                config=lib.DispatchConfig(),
+                stream=stream,
+            )
+        if self.mode == LL:
+            self.hold(recv_tokens=self.recv_tokens, expert_counts=self.expert_counts)
+            rows, self._index = self.expert_major_rows(
+                self.recv_tokens.view(torch.uint8), self.expert_counts.tolist()
+            )
+            return rows
+        # The flat layout holds N(r) received rows first: as many as the plans send this rank.
+        self._count = int(recv_counts.sum())
+        count = self._count
+        self.hold(recv_tokens=self.recv_tokens, recv_weights=self.recv_weights, recv_idx=self.recv_idx)
+        with self.steps("weights"):
+            self._recv_weights = local_weights(self.recv_idx[:count], self.recv_weights[:count])
+        rows, self._permutation = self.flat_rows(self.recv_tokens[:count].view(torch.uint8))
+        return rows
+
+    def combine(self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
+        lib, stream = self.lib, self.stream_pointer()
+        if self.mode == LL:
+            with self.steps("pack"):
+                self.combine_in.view(-1, self.combine_in.shape[-1]).index_copy_(0, self._index, expert_out)
+            inputs = lib.CombineInputs(tokens=lib.Tensor(self.combine_in))
+            outputs = lib.CombineOutputs(
+                tokens=lib.Tensor(self.combine_out), topk_weights=self.weights_tensor
+            )
+        else:
+            weights = (
+                self._recv_weights if self._permutation is None else self._recv_weights[self._permutation]
+            )
+            weighted = self.weighted_rows(expert_out, weights)
+            with self.steps("pack"):
+                rows = scatter_rows(weighted, self._permutation, self.combine_in)
+            inputs = lib.CombineInputs(tokens=lib.Tensor(rows))
+            outputs = lib.CombineOutputs(tokens=lib.Tensor(self.combine_out))
+        with self.steps("library combine"):
+            self.handle.combine(inputs, outputs, config=lib.CombineConfig(), stream=stream)
+        self.hold(combined=self.combine_out)
+        return self.combined(self.combine_out, plan.num_tokens)
+
+    def _destroy_handle(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.destroy()
+
+    def _destroy_group(self) -> None:
+        self._destroy_handle()
+        group, self.ep_group, self._key = self.ep_group, None, ()
+        if group is not None:
+            group.destroy()
+
+    def close(self) -> None:
+        self._destroy_group()
+        comm, self.nccl_comm = self.nccl_comm, None
+        if comm is not None and hasattr(comm, "destroy"):
+            comm.destroy()
+        super().close()

@@ -1,0 +1,173 @@
+"""The comm/compute budget as a table: measured MoE cases (the report's section) or modelled sizes (simulate).
+
+``budget_table`` formats budgets (``commbench.fabric.budget``) through the one table printer; ``moe_budget``
+builds them from a results frame's MoE rows: per case, dispatch + combine time p50 (the median over its
+windows) and the busiest rank's (token, expert) selections from the rows' ``busiest_rank_selections``
+column (``BUSIEST_COLUMN``). A selection-mode case without that column still has it: its dispatch row's
+``max_recv_bytes / row_bytes`` is that count (one row per selection, self traffic included).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import pandas as pd
+
+from commbench.fabric.budget import RECORD_TFLOPS, Budget, budget_notes, check_tflops, make_budget
+from commbench.inputs.models import ModelConfig
+from commbench.inputs.specs import SystemSpec
+from commbench.plain import is_missing
+from commbench.report.tables import format_table
+
+# The result-row column the harness adds to an MoE case's dispatch and combine rows: the most (token,
+# expert) selections any rank's experts received in the layer (Pattern.dispatch_selections.sum(0).max()).
+BUSIEST_COLUMN = "busiest_rank_selections"
+_CASE_COLUMNS = ("pattern", "skew", "tokens_per_rank", "send_mode", "backend", "knobs")
+HEADERS = (
+    "busiest-rank selections",
+    "expert GFLOP (fwd)",
+    "throughput",
+    "TFLOPs/GPU",
+    "a2a (us)",
+    "experts fwd (us)",
+    "comm/compute fwd",
+    "comm/compute train",
+    "hides it? fwd / train",
+)
+
+
+def _yes(hides: bool) -> str:
+    return "yes" if hides else "no"
+
+
+def budget_table(labelled: Sequence[tuple[str, Budget]], label: str, style: str = "text") -> str:
+    """One row per budget and throughput, after a ``label`` column (the world size, the case); a budget
+    that was not computed gets one row saying why."""
+    body = []
+    for name, budget in labelled:
+        if not budget.computed:
+            body.append([name, "-", "-", budget.missing, "-", f"{budget.comm_us:.1f}", "-", "-", "-", "-"])
+            continue
+        forward_rows = [row for row in budget.rows if row.mode == "forward"]
+        for index, forward in enumerate(forward_rows):
+            training = budget.row("training", index)
+            body.append(
+                [
+                    name,
+                    str(budget.selections),
+                    f"{budget.forward_flops / 1e9:.1f}",
+                    forward.throughput.label,
+                    f"{forward.throughput.tflops:g}",
+                    f"{budget.comm_us:.1f}",
+                    f"{forward.compute_us:.1f}",
+                    f"{forward.ratio:.2f}",
+                    f"{training.ratio:.2f}",
+                    f"{_yes(forward.hides)} / {_yes(training.hides)}",
+                ]
+            )
+    return format_table((label, *HEADERS), body, style, text_columns=(0, 3, 9))
+
+
+def modelled_budget_text(budgets: Sequence[tuple[int, Budget]]) -> str:
+    """``commbench simulate``'s budget: a title, the table per world size, a verdict line per size, notes."""
+    lines = [
+        "Can the all-to-all hide behind the experts? (one MoE layer, busiest rank, modelled all-to-all)",
+        budget_table([(str(world), budget) for world, budget in budgets], "ranks"),
+        *(f"{world} ranks: {budget.verdict()}" for world, budget in budgets),
+        *(f"note: {line}" for line in budget_notes([budget for _, budget in budgets])),
+    ]
+    return "\n".join(lines)
+
+
+def budgets_json(budgets: Sequence[tuple[int, Budget]]) -> list[dict[str, Any]]:
+    """The budgets as JSON-ready dicts (``simulate --json``): every field and the verdict, per world size."""
+    return [{"ranks": world, **asdict(budget), "verdict": budget.verdict()} for world, budget in budgets]
+
+
+def _case_label(values: dict[str, object]) -> str:
+    parts = [values.get("pattern"), values.get("skew")]
+    tokens = values.get("tokens_per_rank")
+    if not is_missing(tokens):
+        parts.append(f"{int(float(str(tokens)))} tok/rank")
+    parts += [values.get("send_mode"), values.get("backend")]
+    knobs = values.get("knobs")
+    if isinstance(knobs, str) and knobs:
+        parts.append(f"[{knobs}]")
+    return " ".join(str(part) for part in parts if not is_missing(part) and part != "")
+
+
+def _busiest(dispatch: pd.DataFrame) -> int | None:
+    """The case's busiest-rank selections: the rows' column, else (selection mode) received rows."""
+    if BUSIEST_COLUMN in dispatch.columns:
+        values = pd.to_numeric(dispatch[BUSIEST_COLUMN], errors="coerce").dropna()
+        if not values.empty:
+            return int(values.max())
+    if "send_mode" not in dispatch.columns or not dispatch["send_mode"].astype(str).eq("selection").all():
+        return None
+    if {"max_recv_bytes", "row_bytes"} - set(dispatch.columns):
+        return None
+    received = pd.to_numeric(dispatch["max_recv_bytes"], errors="coerce")
+    row_bytes = pd.to_numeric(dispatch["row_bytes"], errors="coerce")
+    counts = (received / row_bytes).dropna()
+    return int(counts.max()) if not counts.empty else None
+
+
+def _models_by_name(models: ModelConfig | Iterable[ModelConfig]) -> dict[str, ModelConfig]:
+    chosen = [models] if isinstance(models, ModelConfig) else list(models)
+    return {model.name: model for model in chosen}
+
+
+def moe_budget(
+    frame: pd.DataFrame,
+    models: ModelConfig | Iterable[ModelConfig],
+    tflops: float | None = RECORD_TFLOPS,
+    spec: SystemSpec | None = None,
+    style: str = "markdown",
+) -> str | None:
+    """The budget section of a run: a table per MoE case of ``frame`` (results rows; a case's pattern names
+    its model in ``models``), the hide / not-hide line of each case, and what the figures mean. None when
+    the frame has no dispatch + combine case. ``tflops`` None: the record (an option left at its default)."""
+    tflops = check_tflops(RECORD_TFLOPS if tflops is None else tflops)
+    if frame.empty or "phase" not in frame.columns:
+        return None
+    moe = frame[frame["phase"].astype(str).isin(("dispatch", "combine"))]
+    if moe.empty:
+        return None
+    by_name = _models_by_name(models)
+    keys = [column for column in _CASE_COLUMNS if column in moe.columns]
+    labelled: list[tuple[str, Budget]] = []
+    skipped: list[str] = []
+    for key, case in moe.groupby(keys, dropna=False, sort=False):
+        label = _case_label(dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True)))
+        phases = {
+            phase: pd.to_numeric(rows["time_us_p50"], errors="coerce").median()
+            for phase, rows in case.groupby(case["phase"].astype(str))
+        }
+        model = by_name.get(str(case["pattern"].iloc[0]))
+        selections = _busiest(case[case["phase"].astype(str) == "dispatch"])
+        if len(phases) < 2 or any(is_missing(value) for value in phases.values()):
+            skipped.append(f"{label}: not computed: needs both dispatch and combine times")
+        elif model is None:
+            skipped.append(f"{label}: not computed: model {case['pattern'].iloc[0]} not given")
+        elif selections is None:
+            skipped.append(f"{label}: not computed: the rows have no {BUSIEST_COLUMN} column")
+        else:
+            comm = float(phases["dispatch"] + phases["combine"])
+            labelled.append((label, make_budget(model, selections, comm, tflops, spec)))
+    parts = [budget_table(labelled, "case", style)] if labelled else []
+    verdicts = [budget.verdict() for _, budget in labelled] + skipped
+    emulated = "emulated" in moe.columns and moe["emulated"].astype(str).str.lower().eq("true").any()
+    notes = budget_notes([budget for _, budget in labelled])
+    if emulated:
+        notes.append("CPU or emulated rows: the all-to-all time is this host's, not a GPU fabric's")
+    bullet = "- " if style == "markdown" else ""
+    lines = [f"{bullet}{line}" for line in verdicts] + [f"{bullet}{line}" for line in notes]
+    if style == "html":
+        import html
+
+        parts.append("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in verdicts + notes) + "</ul>")
+    else:
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
