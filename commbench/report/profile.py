@@ -183,6 +183,8 @@ def stacked_bars_figure(profile: pd.DataFrame) -> Any:
     columns = min(len(groups), 3)
     lines = (len(groups) + columns - 1) // columns
     figure = Figure(figsize=(5.0 * columns, 3.6 * lines), layout="constrained")
+    names = sorted(set(profile["step"]) - set(SUMMARY_STEPS))
+    colors = {name: f"C{index % 10}" for index, name in enumerate(names)}  # one color per step in every plot
     for index, (case, rows) in enumerate(groups):
         axes = figure.add_subplot(lines, columns, index + 1)
         parts = rows[~rows["step"].isin(SUMMARY_STEPS)]
@@ -190,7 +192,7 @@ def stacked_bars_figure(profile: pd.DataFrame) -> Any:
         bottom = np.zeros(len(table))
         for step in table.columns:
             values = table[step].to_numpy(dtype=float)
-            axes.bar(table.index.astype(str), values, bottom=bottom, label=str(step))
+            axes.bar(table.index.astype(str), values, bottom=bottom, label=str(step), color=colors.get(step))
             bottom += values
         axes.set_title(case_text(case), fontsize=9)
         axes.set_xlabel("rank")
