@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from commbench.run.comm import synchronize_device
+
 DEFAULT_ROUNDS = 8
 
 
@@ -39,11 +41,6 @@ class ClockOffsets:
         return 1e6 * max(self.uncertainty_s, default=0.0)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def estimate_offsets(comm: Any, rounds: int = DEFAULT_ROUNDS) -> ClockOffsets:
     """Collective: every rank's offset to rank 0 (module docstring); the same result on every rank."""
     world = comm.world_size
@@ -58,11 +55,11 @@ def estimate_offsets(comm: Any, rounds: int = DEFAULT_ROUNDS) -> ClockOffsets:
                 continue
             for _ in range(rounds):
                 if comm.rank == 0:
-                    _synchronize(device)
+                    synchronize_device(device)
                     sent_at = time.perf_counter()
                     dist.send(message, peer, group=comm.group)
                     dist.recv(message, peer, group=comm.group)
-                    _synchronize(device)
+                    synchronize_device(device)
                     back_at = time.perf_counter()
                     peer_clock = float(message.item())
                     trip = back_at - sent_at
@@ -70,7 +67,7 @@ def estimate_offsets(comm: Any, rounds: int = DEFAULT_ROUNDS) -> ClockOffsets:
                         best[peer] = (trip, peer_clock - (sent_at + back_at) / 2)
                 else:
                     dist.recv(message, 0, group=comm.group)
-                    _synchronize(device)
+                    synchronize_device(device)
                     message.fill_(time.perf_counter())
                     dist.send(message, 0, group=comm.group)
             comm.heartbeat()

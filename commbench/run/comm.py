@@ -39,6 +39,12 @@ _COLLECTIVE_ERRORS = (RuntimeError, TimeoutError, threading.BrokenBarrierError)
 _GLOO_ADVICE = re.compile(r"\.?\s*This is typically caused by .*$")
 
 
+def synchronize_device(device: torch.device) -> None:
+    """Wait for ``device``'s outstanding work (nothing to wait for on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def hang_bound_s(timeout_s: float) -> float:
     """No-progress time after which the parent stops every rank: two collective timeouts plus slack."""
     return 2.0 * timeout_s + 5.0

@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from commbench.errors import UsageError
 from commbench.inputs.layout import Layout
+from commbench.run.comm import synchronize_device
 from commbench.run.jobs import RunOptions
 
 PAIR_TESTS = ("latency", "bandwidth", "bidir")
@@ -141,11 +142,6 @@ def _buffers(rank: int, peer: int, size: int, device: torch.device) -> _Buffers:
     )
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _PairExchange:
     """Posts one window's messages between this rank and its peer, the test hook's delay included."""
 
@@ -235,7 +231,7 @@ def _timed_messages(
     seconds from the barrier until its last receive completed."""
     if view is not None:
         view.buffers.receive.fill_(POISON)
-    _synchronize(comm.device)
+    synchronize_device(comm.device)
     comm.barrier()
     timer = comm.timer()
     with comm.guard(f"pairwise {window.test} with rank {exchange.peer if exchange else -1}"):
@@ -247,7 +243,7 @@ def _timed_messages(
             receive_works, send_works, thread = exchange.post(sends * job.iters, receives * job.iters, True)
         for work in receive_works:
             work.wait()
-        timer.stop(lambda: _synchronize(comm.device))
+        timer.stop(lambda: synchronize_device(comm.device))
         if thread is not None:
             thread.join()
         for work in send_works:
