@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from commbench.inputs.layout import Layout
     from commbench.inputs.limits import Limits
     from commbench.inputs.specs import SystemSpec
-    from commbench.report.outliers import CaseSpread, SpreadOutcome
-    from commbench.report.verdict import Element, RunStatus, Verdict
+    from commbench.report.judge.outliers import CaseSpread, SpreadOutcome
+    from commbench.report.judge.verdict import Element, RunStatus, Verdict
     from commbench.run.jobs import Job, RunOptions
 
 # Backends whose figures are GPU fabric figures; on every other one (gloo, shmem-emu, mock, sim) bandwidth
@@ -51,7 +51,7 @@ class Acceptance:
         return load_limits(self.spec_name, self.limits_file, self.limit_overrides)
 
     def baseline(self) -> dict[str, Any] | None:
-        from commbench.report.baseline import read_baseline
+        from commbench.report.judge.baseline import read_baseline
 
         return read_baseline(self.baseline_file) if self.baseline_file else None
 
@@ -132,7 +132,7 @@ def arrival_spreads(rank_rows: Sequence[dict[str, Any]], limits: Limits) -> list
     """The outlier rule over each case's per-rank p50 arrival (us)."""
     import pandas as pd
 
-    from commbench.report.outliers import spread_by_case
+    from commbench.report.judge.outliers import spread_by_case
 
     if not rank_rows:
         return []
@@ -162,7 +162,7 @@ def confirm_slow_ranks(
 ) -> list[SpreadOutcome]:  # fmt: skip
     """Collective: rank 0 judges the arrival spread of every case; every rank reruns the flagged cases
     ``confirm_reruns`` times; rank 0 returns one outcome per case (others: [])."""
-    from commbench.report.outliers import confirm, needs_rerun
+    from commbench.report.judge.outliers import confirm, needs_rerun
     from commbench.run.harness import run_jobs
 
     plan: tuple[list[str], list[Job], int] | None = None
@@ -200,14 +200,14 @@ def make_judge(
 
     def judge(frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any]) -> Verdict:
         from commbench.inputs.specs import load_spec
-        from commbench.report.verdict import Element, build_verdict
+        from commbench.report.judge.verdict import Element, build_verdict
 
         limits = acceptance.limits()
         spec = load_spec(acceptance.spec_name) if acceptance.spec_name else None
         extra = []
         baseline = acceptance.baseline()
         if baseline is not None and not frame.empty:
-            from commbench.report.compare import compare_to_baseline
+            from commbench.report.judge.compare import compare_to_baseline
 
             findings = compare_to_baseline(
                 frame, baseline, acceptance.baseline_warn_pct, acceptance.baseline_fail_pct
@@ -222,11 +222,11 @@ def make_judge(
                     )
                 )  # fmt: skip
         extra += list(extra_elements)
-        from commbench.report.soak import soak_elements
+        from commbench.report.analysis.soak import soak_elements
 
         extra += soak_elements(frame, limits)
         verdict = build_verdict(frame, limits, spec, acceptance.spec_how, run, outcomes, names or {}, extra)
-        from commbench.report.pairs import bisect_element
+        from commbench.report.judge.pairs import bisect_element
 
         bisect = bisect_element(verdict.elements)
         if bisect is None:

@@ -22,7 +22,7 @@ from commbench.backends import (
     load_backend,
 )
 from commbench.plain import plain
-from commbench.report.tables import format_table
+from commbench.report.pages.tables import format_table
 
 HEADERS = ("backend", "from", "moves data", "available", "knobs", "why not")
 

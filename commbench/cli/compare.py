@@ -30,8 +30,8 @@ def baseline(run_dirs: tuple[str, ...], out: str, force: bool) -> None:
     Example:
       commbench baseline reports/good1 reports/good2 reports/good3 --out rack-a.baseline.json
     """
-    from commbench.report.baseline import build_baseline, check_out_file, read_runs, write_baseline
-    from commbench.report.tables import fmt_time, format_bandwidth, format_table
+    from commbench.report.judge.baseline import build_baseline, check_out_file, read_runs, write_baseline
+    from commbench.report.pages.tables import fmt_time, format_bandwidth, format_table
 
     path = check_out_file(out, force)
     runs = read_runs(run_dirs, known_good=True)
@@ -95,8 +95,8 @@ def compare(run_a: str, run_b: str, as_json: bool, warn_pct: float, fail_pct: fl
       commbench compare rack-a.baseline.json reports/today --json
     """
     from commbench.plain import plain
-    from commbench.report.baseline import read_baseline, read_run
-    from commbench.report.compare import (
+    from commbench.report.judge.baseline import read_baseline, read_run
+    from commbench.report.judge.compare import (
         compare_runs,
         compare_to_baseline,
         comparison_markdown,

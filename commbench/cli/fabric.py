@@ -10,7 +10,7 @@ import click
 
 from commbench.cli import options as opt
 from commbench.errors import UsageError
-from commbench.report.tables import format_table
+from commbench.report.pages.tables import format_table
 
 # --fabric choices as fabric-model knobs (FabricParams); no choice keeps the spec's.
 FABRIC_KINDS: dict[str, dict[str, bool]] = {
@@ -191,7 +191,7 @@ def simulate(
     from commbench.fabric.budget import simulated_budgets
     from commbench.fabric.ep_groups import simulate as run_simulation
     from commbench.inputs.models import load_model
-    from commbench.report.budget import budgets_json, modelled_budget_text
+    from commbench.report.profiler.budget import budgets_json, modelled_budget_text
 
     ranks = _parse_ranks(ranks_text)
     model = load_model(inputs.pop("model"))

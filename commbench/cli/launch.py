@@ -305,7 +305,7 @@ def _verdict_last(out_dir: str, error: BaseException | None) -> None:
     from commbench.cli.main import exit_code_and_message
     from commbench.errors import CommbenchError
     from commbench.report import saved_verdict
-    from commbench.report.verdict import console_line
+    from commbench.report.judge.verdict import console_line
 
     try:
         verdict = saved_verdict(out_dir) if Path(out_dir).is_dir() else None
@@ -404,7 +404,7 @@ def _judge(acceptance: Acceptance | None, error: BaseException | None) -> Any:
     if acceptance is None:
         return None
     from commbench.cli.acceptance import make_judge
-    from commbench.report.verdict import run_status_from_error
+    from commbench.report.judge.verdict import run_status_from_error
 
     return make_judge(acceptance, run_status_from_error(error))
 
@@ -430,7 +430,7 @@ def _prepare_resume(
     meta, 0); rank 0 tells them the jobs left inside the launch."""
     from commbench.cli.resume import check_same_run, read_interrupted, remaining_jobs, resumed_meta
     from commbench.errors import UsageError
-    from commbench.report.folder import take_over_out_dir
+    from commbench.report.folder.claim import take_over_out_dir
     from commbench.run.dist import is_rank0_process
 
     folder = str(settings.resume)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from commbench.inputs.layout import Layout
     from commbench.inputs.limits import Limits
     from commbench.inputs.specs import SystemSpec
-    from commbench.report.verdict import Element
+    from commbench.report.judge.verdict import Element
     from commbench.run.jobs import RunOptions
     from commbench.run.pairwise import PairwiseJob
 
@@ -55,7 +55,7 @@ def run_link_test(
     returns the rows and, judged by ``limits`` (rank 0 holds them; None elsewhere, or no verdict), the
     verdict elements."""
     from commbench.report.frame import pair_frame
-    from commbench.report.pairs import (
+    from commbench.report.judge.pairs import (
         class_stats,
         confirm_pairs,
         find_slow_pairs,

@@ -52,13 +52,13 @@ def pattern(
         click.echo(kineto_pattern(kineto_trace, world_size, as_json, pattern_kind, nccl_tests_matrix))
         return
     from commbench.cli.resources import check_pattern_fits
-    from commbench.report.nccl_tests_export import (
+    from commbench.report.analysis.replicas import replicas_summary
+    from commbench.report.interop.nccl_tests_export import (
         check_export_paths,
         export_summary,
         plan_export,
         write_export,
     )
-    from commbench.report.replicas import replicas_summary
     from commbench.traffic.pattern import build_pattern, pattern_to_json
 
     cap_cpu_threads()
@@ -89,7 +89,7 @@ def kineto_pattern(
     matrices ``run --pattern kineto`` moves), as tables or JSON."""
     from commbench.errors import UsageError
     from commbench.inputs.kineto import read_kineto
-    from commbench.report.tables import format_table
+    from commbench.report.pages.tables import format_table
     from commbench.run.jobs import MatrixCall
 
     if pattern_kind != "kineto" or path is None or export is not None:
@@ -152,7 +152,7 @@ def nccl_tests_files(
         yield
         return
     from commbench.cli.resources import check_pattern_fits
-    from commbench.report.nccl_tests_export import (
+    from commbench.report.interop.nccl_tests_export import (
         check_export_paths,
         export_summary,
         plan_export,
@@ -191,7 +191,7 @@ def describe_pattern(built: Pattern, top: int = 5) -> str:
     """Human-readable statistics of a Pattern: bytes per phase, imbalance, busiest destination ranks."""
     import numpy as np
 
-    from commbench.report.tables import format_table
+    from commbench.report.pages.tables import format_table
 
     cfg = built.routing_cfg
     header = f"pattern {built.name}: skew {built.skew_text or '-'}, {built.world_size} ranks"

@@ -40,7 +40,7 @@ class Progress:
 
     def __call__(self, rows: list[dict[str, Any]]) -> None:
         from commbench.report import format_bandwidth, results_frame
-        from commbench.report.tables import fmt_wrong
+        from commbench.report.pages.tables import fmt_wrong
 
         if not rows:
             return

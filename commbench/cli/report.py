@@ -17,7 +17,7 @@ def report(report_dir: str) -> None:
     verdict.json (never rewritten), whose line is printed last; a folder without one says it has no
     verdict."""
     from commbench.report import render_report, results_table
-    from commbench.report.verdict import console_line
+    from commbench.report.judge.verdict import console_line
 
     frame = render_report(report_dir)
     incomplete = frame.attrs.get("incomplete")

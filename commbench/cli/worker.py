@@ -32,7 +32,7 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
     prints the table."""
     from commbench.backends import get_backend
     from commbench.cli.acceptance import confirm_slow_ranks, make_judge, rank_names
-    from commbench.report.verdict import RunStatus, run_status_from_error
+    from commbench.report.judge.verdict import RunStatus, run_status_from_error
     from commbench.run.placement import gather_layout
 
     backend_class = get_backend(plan.options.backend)
@@ -134,7 +134,7 @@ def _run_rounds(
     comm: Any, plan: LaunchPlan, backend_class: type, layout: Layout, sink: Any, progress: Progress | None,
     profiler: Any,
 ) -> tuple[list[Any], list[dict[str, Any]]]:  # fmt: skip
-    from commbench.report.soak import SOAK_COLUMN
+    from commbench.report.analysis.soak import SOAK_COLUMN
     from commbench.run.harness import run_jobs
 
     if plan.soak_s is None:
@@ -176,7 +176,7 @@ def _link_test(
         return
     from commbench.cli.linktest import run_link_test
     from commbench.errors import VerificationError
-    from commbench.report.pairs import PAIRS_FILE
+    from commbench.report.judge.pairs import PAIRS_FILE
 
     limits = plan.acceptance.limits() if comm.rank == 0 and plan.acceptance is not None else None
     outcome: LinkTestOutcome = run_link_test(comm, plan.pairwise, plan.options, layout, limits, plan.spec)
@@ -220,7 +220,7 @@ class _Health:
             return cls(watch, [], [], [], None)
         from commbench.cli.acceptance import rank_names
         from commbench.inputs.specs import load_spec
-        from commbench.report.preflight import preflight_elements
+        from commbench.report.judge.preflight import preflight_elements
 
         acceptance = plan.acceptance
         spec = load_spec(acceptance.spec_name) if acceptance is not None and acceptance.spec_name else None
@@ -246,8 +246,8 @@ class _Health:
         after = comm.all_gather_object(self.watch.finish())
         if comm.rank != 0 or writer is None:
             return
-        from commbench.report.preflight import counter_elements, health_frame
-        from commbench.report.sections import HEALTH_FILE
+        from commbench.report.judge.preflight import counter_elements, health_frame
+        from commbench.report.pages.sections import HEALTH_FILE
         from commbench.run.liveness import deferred_stop
 
         found = counter_elements(self.before, after, self.names, max_increase=self.tolerance)
@@ -269,7 +269,7 @@ class _ProfileSink:
         self.spans: list[dict[str, Any]] = []
 
     def __call__(self, profile: Any) -> None:
-        from commbench.report.profile import ARRIVALS_FILE, PEERS_FILE, PROFILE_FILE
+        from commbench.report.profiler.profile import ARRIVALS_FILE, PEERS_FILE, PROFILE_FILE
         from commbench.run.liveness import deferred_stop
 
         with deferred_stop():
@@ -283,7 +283,7 @@ class _ProfileSink:
         """trace.json, when asked for."""
         if not self.trace:
             return
-        from commbench.report.profile import TRACE_FILE, trace_text
+        from commbench.report.profiler.profile import TRACE_FILE, trace_text
 
         self.writer.write_file(TRACE_FILE, trace_text(self.spans, names))
         click.echo(

@@ -138,7 +138,7 @@ class Floor:
 
 @dataclass(frozen=True)
 class SpreadRule:
-    """The outlier rule across ranks (commbench.report.outliers): a rank is flagged when its value is more
+    """The outlier rule across ranks (report.judge.outliers): a rank is flagged when its value is more
     than ``k_mads`` scaled MADs (1.4826 x MAD) AND ``min_excess_pct`` % AND ``min_excess_us`` above the
     median of the ranks; cases with fewer than ``min_ranks`` ranks are not judged. A flag is confirmed by
     ``confirm_reruns`` reruns of the case under ``confirm_rule`` (all, or a strict majority, of them)."""
@@ -153,7 +153,7 @@ class SpreadRule:
 
 @dataclass(frozen=True)
 class PairRule:
-    """The pairwise link test's rule (commbench.report.pairs): a pair is flagged against the robust median
+    """The pairwise link test's rule (report.judge.pairs): a pair is flagged against the robust median
     of its link class and test when its bandwidth is more than ``k_mads`` scaled MADs AND
     ``bandwidth_drop_pct`` % below it, or its latency more than ``k_mads`` scaled MADs AND
     ``latency_excess_pct`` % AND ``min_excess_us`` above it; classes with fewer than ``min_pairs`` pairs

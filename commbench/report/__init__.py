@@ -11,8 +11,16 @@ re-exports their public names.
 
 from __future__ import annotations
 
-from commbench.report.console import results_table
-from commbench.report.files import (
+from commbench.report.folder.claim import (
+    OutDirClaim,
+    OutDirTaken,
+    ReportWriteError,
+    check_claim,
+    claim_out_dir,
+    write_atomic,
+)
+from commbench.report.folder.reading import read_meta, read_report, read_rows
+from commbench.report.folder.writer import (
     ReportWriter,
     file_records,
     mark_incomplete,
@@ -22,14 +30,6 @@ from commbench.report.files import (
     spec_figures,
     spec_from_meta,
     spec_meta,
-)
-from commbench.report.folder import (
-    OutDirClaim,
-    OutDirTaken,
-    ReportWriteError,
-    check_claim,
-    claim_out_dir,
-    write_atomic,
 )
 from commbench.report.frame import (
     CONVENTIONS,
@@ -41,7 +41,6 @@ from commbench.report.frame import (
     rank_frame,
     results_frame,
 )
-from commbench.report.html import incomplete_note, incomplete_reason, report_html, summary_markdown
 from commbench.report.knobs import (
     KNOB_SETTING_COLUMN,
     knob_setting,
@@ -49,8 +48,9 @@ from commbench.report.knobs import (
     varying_knobs,
     with_knob_setting,
 )
-from commbench.report.reading import read_meta, read_report, read_rows
-from commbench.report.tables import format_bandwidth
+from commbench.report.pages.console import results_table
+from commbench.report.pages.html import incomplete_note, incomplete_reason, report_html, summary_markdown
+from commbench.report.pages.tables import format_bandwidth
 
 __all__ = [
     "CONVENTIONS",

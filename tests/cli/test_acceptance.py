@@ -13,7 +13,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from commbench.report.verdict import read_verdict_json
+from commbench.report.judge.verdict import read_verdict_json
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # Small and quick: 4 gloo ranks, three balanced sizes, a few iterations.

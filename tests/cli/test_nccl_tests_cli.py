@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from commbench.cli import cli
-from commbench.report.nccl_tests_export import moved_bytes, read_matrix_file
+from commbench.report.interop.nccl_tests_export import moved_bytes, read_matrix_file
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # hidden 64, BF16: 128-byte rows, a multiple of 16, so nccl-tests moves exactly the pattern's bytes.

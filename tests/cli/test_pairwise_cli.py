@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from commbench.report.verdict import read_verdict_json
+from commbench.report.judge.verdict import read_verdict_json
 from tests.cli.test_acceptance import commbench, last_line
 
 PAIRWISE = ["run", "--pattern", "pairwise", "--world-size", "4", "--backend", "gloo", "--warmup", "1"]

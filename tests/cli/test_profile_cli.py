@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from commbench.report.profile import straggler_stats
+from commbench.report.profiler.profile import straggler_stats
 from tests.cli.test_acceptance import commbench
 
 PROFILE = ["profile", "--world-size", "4", "--skew", "zipf:1.2", "--tokens", "256", "--warmup", "2"]

@@ -19,7 +19,7 @@ from commbench.cli import cli
 from commbench.cli.inputs import MoeInputs, build_routing_config, replica_cases
 from commbench.cli.launch import LaunchSettings, moe_job
 from commbench.cli.resume import remaining_jobs
-from commbench.report.replicas import replicas_table
+from commbench.report.analysis.replicas import replicas_table
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 

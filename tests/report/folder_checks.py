@@ -12,9 +12,9 @@ from xml.etree import ElementTree
 import pandas as pd
 
 from commbench.report import read_meta, read_rows
-from commbench.report.folder import MARKER
-from commbench.report.reading import RANK_COLUMNS, RESULT_COLUMNS, read_table
-from commbench.report.verdict import read_verdict_json
+from commbench.report.folder.claim import MARKER
+from commbench.report.folder.reading import RANK_COLUMNS, RESULT_COLUMNS, read_table
+from commbench.report.judge.verdict import read_verdict_json
 
 KNOWN_FILES = {
     MARKER,

@@ -13,7 +13,7 @@ import pytest
 from commbench.errors import UsageError
 from commbench.inputs.specs import load_spec
 from commbench.report import ReportWriter, results_frame
-from commbench.report.baseline import (
+from commbench.report.judge.baseline import (
     SCHEMA,
     baseline_cases,
     build_baseline,

@@ -3,8 +3,8 @@ import pytest
 from commbench.fabric.budget import compute_time_us, expert_flops
 from commbench.inputs.models import ModelConfig, load_model
 from commbench.inputs.specs import load_spec
-from commbench.report.budget import BUSIEST_COLUMN, moe_budget
 from commbench.report.frame import results_frame
+from commbench.report.profiler.budget import BUSIEST_COLUMN, moe_budget
 from tests.report.rows import balanced_row, skewed_rows
 
 # skewed_rows: pattern "toy", dispatch p50 100 us, combine p50 200 us: 300 us of all-to-all per layer.

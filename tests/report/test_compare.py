@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from commbench.report import ReportWriter, results_frame
-from commbench.report.baseline import build_baseline, read_run, read_runs
-from commbench.report.compare import (
+from commbench.report.judge.baseline import build_baseline, read_run, read_runs
+from commbench.report.judge.compare import (
     ELEMENT_FIELDS,
     WITHIN_SPREAD,
     compare_runs,

@@ -6,7 +6,7 @@ import pytest
 
 from commbench.inputs.specs import load_spec
 from commbench.report import ReportWriter, average_bus_bandwidth, results_frame, results_table
-from commbench.report.console import bus_id_text, nccl_float, rank_lines
+from commbench.report.pages.console import bus_id_text, nccl_float, rank_lines
 from tests.report.rows import balanced_row, skewed_rows
 
 GB300 = load_spec("gb300-nvl72")

@@ -28,7 +28,7 @@ from commbench.report import (
     render_report,
     write_atomic,
 )
-from commbench.report.folder import MARKER
+from commbench.report.folder.claim import MARKER
 from tests.report.folder_checks import assert_folder_readable, assert_whole_csv
 from tests.report.rows import all_rank_rows, balanced_row, skewed_rows
 

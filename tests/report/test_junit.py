@@ -6,8 +6,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from commbench.report.junit import junit_xml, write_junit
-from commbench.report.verdict import Element, RunStatus, Verdict
+from commbench.report.judge.junit import junit_xml, write_junit
+from commbench.report.judge.verdict import Element, RunStatus, Verdict
 
 # What the common JUnit schema (Jenkins junit-10.xsd, GitLab's parser) allows under a testcase.
 TESTCASE_CHILDREN = {"failure", "error", "skipped", "system-out", "system-err"}

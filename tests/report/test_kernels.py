@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from commbench.report.kernels import (
+from commbench.report.profiler.kernels import (
     COMMBENCH_TRITON_KERNELS,
     COMMUNICATION,
     COMPUTE,

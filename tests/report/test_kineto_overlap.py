@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from commbench.errors import UsageError
-from commbench.report import kineto_overlap
-from commbench.report.kineto_overlap import (
+from commbench.report.profiler import kineto_overlap
+from commbench.report.profiler.kineto_overlap import (
     WINDOW_MEASURED,
     WINDOW_WHOLE,
     covered_time,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from commbench.report.modes import (
+from commbench.report.pages.modes import (
     CHECK_TEXT,
     TIMING_TEXT,
     check_text,

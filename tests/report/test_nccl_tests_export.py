@@ -11,7 +11,7 @@ import pytest
 
 from commbench.cli.inputs import MoeInputs, build_routing_config
 from commbench.errors import UsageError
-from commbench.report import nccl_tests_export as export
+from commbench.report.interop import nccl_tests_export as export
 from commbench.traffic.pattern import Pattern, balanced_pattern, build_pattern
 
 

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from commbench.inputs.limits import SpreadRule, load_limits
-from commbench.report.outliers import (
+from commbench.report.judge.outliers import (
     SCALED_MAD,
     CaseSpread,
     RankFlag,

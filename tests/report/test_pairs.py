@@ -10,7 +10,7 @@ import pytest
 from commbench.inputs.limits import load_limits
 from commbench.inputs.specs import load_spec, no_spec
 from commbench.report.frame import pair_frame
-from commbench.report.pairs import (
+from commbench.report.judge.pairs import (
     bisect_element,
     class_stats,
     confirm_pairs,
@@ -19,7 +19,7 @@ from commbench.report.pairs import (
     pair_matrix,
     rerun_rounds,
 )
-from commbench.report.verdict import Element
+from commbench.report.judge.verdict import Element
 
 SIZE = 1 << 20
 CPU = load_limits(None)

@@ -6,7 +6,7 @@ import pytest
 
 from commbench.hardware.health import NO_GPU, read_health, watch_counters
 from commbench.inputs.specs import load_spec, no_spec
-from commbench.report.preflight import NO_SPEC, counter_elements, health_frame, preflight_elements
+from commbench.report.judge.preflight import NO_SPEC, counter_elements, health_frame, preflight_elements
 from tests.hardware.fake_nvml import (
     CLUSTER,
     CLUSTER_TEXT,

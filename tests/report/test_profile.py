@@ -7,7 +7,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from commbench.report.profile import chrome_trace, step_stats, straggler_stats
+from commbench.report.profiler.profile import chrome_trace, step_stats, straggler_stats
 
 CASE = {"pattern": "deepseek-v3", "skew": "zipf:1.2", "phase": "dispatch", "size_bytes": None, "window": 0}
 

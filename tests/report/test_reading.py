@@ -179,7 +179,7 @@ def test_cut_or_malformed_csv_is_refused(folder: Path, case: str) -> None:
 
 
 def test_every_file_is_read_bounded(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import commbench.report.reading as reading
+    import commbench.report.folder.reading as reading
 
     # The real bounds (32 MiB, 256 MiB) scaled down: the refusal reads one byte past the bound, no more.
     monkeypatch.setattr(reading, "MAX_META_BYTES", (folder / "meta.json").stat().st_size - 1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from commbench.report.replicas import replicas_table
+from commbench.report.analysis.replicas import replicas_table
 
 
 def row(

@@ -21,7 +21,7 @@ import pyarrow.parquet as pq
 
 from commbench.inputs.specs import load_spec
 from commbench.report import rank_frame, read_report, render_report, results_frame
-from commbench.report.files import ReportWriter
+from commbench.report.folder.writer import ReportWriter
 from tests.report.rows import (
     DISPATCH,
     TWO_DOMAINS,

@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from commbench.inputs.limits import load_limits
-from commbench.report.soak import drift_pct, is_soak, soak_elements
+from commbench.report.analysis.soak import drift_pct, is_soak, soak_elements
 
 GPU = load_limits("gb300-nvl72")  # drift WARN 5%, FAIL 10%
 

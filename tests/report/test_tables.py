@@ -6,7 +6,7 @@ import pytest
 
 from commbench.inputs.specs import load_spec
 from commbench.report import format_bandwidth, results_frame
-from commbench.report.tables import format_table, pattern_tables
+from commbench.report.pages.tables import format_table, pattern_tables
 from tests.report.rows import balanced_row, skewed_rows
 
 GB300 = load_spec("gb300-nvl72")

@@ -12,8 +12,8 @@ from commbench.errors import CommError, StoppedError, UsageError, VerificationEr
 from commbench.inputs.limits import load_limits
 from commbench.inputs.specs import load_spec
 from commbench.report.frame import results_frame
-from commbench.report.outliers import confirm, find_outliers
-from commbench.report.verdict import (
+from commbench.report.judge.outliers import confirm, find_outliers
+from commbench.report.judge.verdict import (
     SCHEMA,
     Element,
     RunStatus,

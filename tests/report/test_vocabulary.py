@@ -9,7 +9,7 @@ import pytest
 
 from commbench.backends.adapters.bandwidth import BUILTIN
 from commbench.report.frame import results_frame
-from commbench.report.vocabulary import library_figures, vocabulary_table, with_library_columns
+from commbench.report.interop.vocabulary import library_figures, vocabulary_table, with_library_columns
 from commbench.run.rows import byte_columns, time_columns
 
 

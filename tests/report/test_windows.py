@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from commbench.inputs.specs import load_spec
+from commbench.report.analysis.windows import window_spread_table
 from commbench.report.frame import results_frame
-from commbench.report.windows import window_spread_table
 from tests.report.rows import balanced_row, skewed_rows
 
 GB300 = load_spec("gb300-nvl72")

@@ -15,7 +15,7 @@ from commbench.errors import UsageError, VerificationError
 from commbench.inputs.models import ModelConfig
 from commbench.inputs.skew import parse_skew
 from commbench.report import results_frame, results_table
-from commbench.report.tables import pattern_tables
+from commbench.report.pages.tables import pattern_tables
 from commbench.run.dist import launch
 from commbench.run.harness import run_jobs
 from commbench.run.jobs import CHECK_MODES, BalancedJob, MoeJob, RunOptions

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from commbench.report.kernels import classify_kernel
-from commbench.report.kineto_overlap import WINDOW_MEASURED, load_trace, overlap_from_folder
+from commbench.report.profiler.kernels import classify_kernel
+from commbench.report.profiler.kineto_overlap import WINDOW_MEASURED, load_trace, overlap_from_folder
 from commbench.run import torch_profiler
 from commbench.run.torch_profiler import MEASURED_PREFIX, capture, measured, trace_path
 

@@ -40,8 +40,8 @@ import pandas as pd
 
 from commbench.errors import UsageError
 from commbench.inputs.userfiles import read_user_bytes, show_path
-from commbench.report.kernels import COMMUNICATION, classify_event
-from commbench.report.tables import fmt_float, fmt_int, fmt_pct, fmt_text, format_table
+from commbench.report.pages.tables import fmt_float, fmt_int, fmt_pct, fmt_text, format_table
+from commbench.report.profiler.kernels import COMMUNICATION, classify_event
 from commbench.run.torch_profiler import MEASURED_PREFIX
 
 # A profile of a few hundred measured iterations is tens of MiB; 512 MiB (as read and once decompressed)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 
 from commbench.report.knobs import KNOB_SETTING_COLUMN
-from commbench.report.tables import fmt_float, fmt_text, format_bandwidth, format_table
+from commbench.report.pages.tables import fmt_float, fmt_text, format_bandwidth, format_table
 
 # What makes a case: its rows in different windows differ only in their "window" column.
 _CASE_COLUMNS = ("pattern", "skew", "phase", "size_bytes", KNOB_SETTING_COLUMN)

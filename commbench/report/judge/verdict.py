@@ -1,7 +1,7 @@
 """The acceptance verdict: named checks (PASS/WARN/FAIL/SKIP) from a run's results, limits and spec.
 
 ``build_verdict`` turns the results frame (``commbench.report.frame.results_frame``), the ``Limits``, the
-spec (None for a CPU run), the rank-spread outcomes (``commbench.report.outliers``) and how the run ended
+spec (None for a CPU run), the rank-spread outcomes (``report.judge.outliers``) and how the run ended
 (``RunStatus``) into ``Element``s, one per check, in groups:
 
 - ``run``: completion (no timeout, no dead rank); ``data``: #wrong == 0; ``harness``: every row timed;
@@ -45,8 +45,8 @@ from commbench.inputs.limits import Floor, Limits
 from commbench.inputs.specs import SystemSpec
 from commbench.inputs.userfiles import load_json
 from commbench.plain import is_missing, plain
-from commbench.report.folder import write_atomic
-from commbench.report.outliers import SpreadOutcome, size_text
+from commbench.report.folder.claim import write_atomic
+from commbench.report.judge.outliers import SpreadOutcome, size_text
 
 SCHEMA = "commbench.verdict/1"
 VERDICT_FILE = "verdict.json"

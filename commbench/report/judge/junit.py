@@ -25,8 +25,8 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from pathlib import Path
 
-from commbench.report.folder import write_atomic
-from commbench.report.verdict import GROUPS, Element, Verdict
+from commbench.report.folder.claim import write_atomic
+from commbench.report.judge.verdict import GROUPS, Element, Verdict
 
 JUNIT_FILE = "junit.xml"
 SUITES_NAME = "commbench"

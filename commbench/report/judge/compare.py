@@ -30,7 +30,8 @@ import numpy as np
 import pandas as pd
 
 from commbench.plain import plain
-from commbench.report.baseline import (
+from commbench.report.frame import results_frame
+from commbench.report.judge.baseline import (
     CASE_COLUMNS,
     FIGURES,
     ReportRun,
@@ -41,8 +42,7 @@ from commbench.report.baseline import (
     robust_spread_pct,
     run_meta,
 )
-from commbench.report.frame import results_frame
-from commbench.report.tables import fmt_text, fmt_time, format_bandwidth, format_table
+from commbench.report.pages.tables import fmt_text, fmt_time, format_bandwidth, format_table
 
 GROUP = "baseline"
 ELEMENT_FIELDS = ("group", "name", "status", "value", "limit", "unit", "message", "remedy")

@@ -18,7 +18,7 @@ import pandas as pd
 from commbench.backends.adapters.bandwidth import BUILTIN, LibraryBandwidth
 from commbench.report.frame import gbps
 from commbench.report.knobs import knob_setting
-from commbench.report.tables import format_table
+from commbench.report.pages.tables import format_table
 
 FIGURE_COLUMNS = ("library_figure", "library_GBps")
 VOCABULARY_HEADERS = (

@@ -20,7 +20,7 @@ import pandas as pd
 from commbench.inputs.specs import NO_SPEC_NAME, SystemSpec, has_figures
 from commbench.plain import is_missing
 from commbench.report.knobs import KNOB_SETTING_COLUMN
-from commbench.report.modes import mixes_timing, with_timing
+from commbench.report.pages.modes import mixes_timing, with_timing
 
 STYLES = ("text", "markdown", "html")
 # Cells that stand for "no value" and must not make a numeric column left-aligned.

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from commbench.report.tables import format_table
+from commbench.report.pages.tables import format_table
 
 PROFILE_FILE = "profile.csv"
 ARRIVALS_FILE = "arrivals.csv"

@@ -19,7 +19,7 @@ from commbench.fabric.budget import RECORD_TFLOPS, Budget, budget_notes, check_t
 from commbench.inputs.models import ModelConfig
 from commbench.inputs.specs import SystemSpec
 from commbench.plain import is_missing
-from commbench.report.tables import format_table
+from commbench.report.pages.tables import format_table
 
 # The result-row column the harness adds to an MoE case's dispatch and combine rows: the most (token,
 # expert) selections any rank's experts received in the layer (Pattern.dispatch_selections.sum(0).max()).

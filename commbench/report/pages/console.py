@@ -20,8 +20,8 @@ from commbench.inputs.specs import NO_SPEC_NAME
 from commbench.plain import is_missing
 from commbench.report.frame import average_bus_bandwidth, balanced_rows
 from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
-from commbench.report.modes import TIMING_HOW, TIMING_TIME, check_text, timing_modes, with_timing
-from commbench.report.tables import (
+from commbench.report.pages.modes import TIMING_HOW, TIMING_TIME, check_text, timing_modes, with_timing
+from commbench.report.pages.tables import (
     TIMING,
     any_emulated,
     column,

@@ -29,15 +29,7 @@ import pandas as pd
 from commbench.inputs.specs import NO_SPEC_NAME, SystemSpec, load_spec, no_spec, spec_from_dict
 from commbench.inputs.userfiles import clip
 from commbench.plain import is_missing, knobs_text, plain
-from commbench.report.console import (
-    REDOP,
-    ROOT,
-    TYPE_NAME,
-    out_of_bounds_count,
-    per_peer_count,
-    sweep_config,
-)
-from commbench.report.folder import (
+from commbench.report.folder.claim import (
     CsvAppender,
     OutDirClaim,
     ReportWriteError,
@@ -46,6 +38,7 @@ from commbench.report.folder import (
     csv_text,
     write_atomic,
 )
+from commbench.report.folder.reading import RANK_COLUMNS, RESULT_COLUMNS, read_meta, read_report, read_rows
 from commbench.report.frame import (
     CONVENTIONS,
     average_bus_bandwidth,
@@ -54,18 +47,25 @@ from commbench.report.frame import (
     rank_frame,
     results_frame,
 )
-from commbench.report.html import incomplete_reason, report_html, summary_markdown
-from commbench.report.junit import write_junit
-from commbench.report.pairs import PAIRS_FILE
-from commbench.report.reading import RANK_COLUMNS, RESULT_COLUMNS, read_meta, read_report, read_rows
-from commbench.report.sections import (
+from commbench.report.judge.junit import write_junit
+from commbench.report.judge.pairs import PAIRS_FILE
+from commbench.report.judge.verdict import VERDICT_FILE, Verdict, read_verdict_json, write_verdict_json
+from commbench.report.pages.console import (
+    REDOP,
+    ROOT,
+    TYPE_NAME,
+    out_of_bounds_count,
+    per_peer_count,
+    sweep_config,
+)
+from commbench.report.pages.html import incomplete_reason, report_html, summary_markdown
+from commbench.report.pages.sections import (
     EXTRA_APPENDED,
     HEALTH_FILE,
     ExtraTables,
     read_extra_tables,
     read_kineto,
 )
-from commbench.report.verdict import VERDICT_FILE, Verdict, read_verdict_json, write_verdict_json
 
 # Judges a finished (or stopped) run: (results frame, rank frame, meta) -> its Verdict (cli.acceptance).
 Judge = Callable[[pd.DataFrame, pd.DataFrame, dict[str, Any]], Verdict]

@@ -26,8 +26,8 @@ import numpy as np
 import pandas as pd
 
 from commbench.inputs.limits import Floor, PairRule, SpreadRule
-from commbench.report.outliers import SCALED_MAD
-from commbench.report.verdict import CPU_SKIP, Element
+from commbench.report.judge.outliers import SCALED_MAD
+from commbench.report.judge.verdict import CPU_SKIP, Element
 
 PAIRS_FILE = "pairs.csv"
 CLASS_WORDS = {"nvlink": "NVLink", "scaleout": "scale-out", "self": "self"}

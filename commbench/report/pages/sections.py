@@ -15,12 +15,12 @@ from typing import Any
 import pandas as pd
 
 from commbench.inputs.specs import SystemSpec
+from commbench.report.folder.reading import read_table
 from commbench.report.frame import pair_frame
-from commbench.report.pairs import CLASS_WORDS, PAIRS_FILE, TEST_WORDS, heatmap_figure, pair_matrix
-from commbench.report.profile import ARRIVALS_FILE, PEERS_FILE, PROFILE_FILE
-from commbench.report.reading import read_table
-from commbench.report.tables import format_table
-from commbench.report.verdict import Verdict
+from commbench.report.judge.pairs import CLASS_WORDS, PAIRS_FILE, TEST_WORDS, heatmap_figure, pair_matrix
+from commbench.report.judge.verdict import Verdict
+from commbench.report.pages.tables import format_table
+from commbench.report.profiler.profile import ARRIVALS_FILE, PEERS_FILE, PROFILE_FILE
 
 HEALTH_FILE = "health.csv"
 PNG_URL = "data:image/png;base64,"
@@ -95,7 +95,7 @@ KINETO_NOTE = (
 
 def read_kineto(folder: str | os.PathLike[str]) -> Any:
     """The overlap analysis of a folder's kineto/ traces, or None when it has none."""
-    from commbench.report.kineto_overlap import overlap_from_folder, trace_files
+    from commbench.report.profiler.kineto_overlap import overlap_from_folder, trace_files
 
     traces = Path(folder) / KINETO_FOLDER
     if not traces.is_dir() or not trace_files(traces):
@@ -105,7 +105,7 @@ def read_kineto(folder: str | os.PathLike[str]) -> Any:
 
 def kineto_section(extras: ExtraTables, style: str) -> list[str]:
     """The torch.profiler section: communication time and its overlap with compute per rank."""
-    from commbench.report.kineto_overlap import overlap_table
+    from commbench.report.profiler.kineto_overlap import overlap_table
 
     if extras.kineto is None:
         return []
@@ -263,7 +263,7 @@ def health_section(extras: ExtraTables, style: str) -> list[str]:
 def profile_section(extras: ExtraTables, style: str) -> list[str]:
     """The profiler's section (markdown or html): the per-step table, the stacked bars per rank (html), the
     straggler table and the per-peer arrival matrix; nothing for a run without --profile."""
-    from commbench.report.profile import (
+    from commbench.report.profiler.profile import (
         PROFILE_NOTE,
         STRAGGLER_NOTE,
         peer_table,
@@ -317,7 +317,7 @@ def budget_section(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec, 
     report.html ("html"); nothing when the run has no MoE case or its model cannot be read back."""
     from commbench.errors import CommbenchError
     from commbench.inputs.models import load_model
-    from commbench.report.budget import moe_budget
+    from commbench.report.profiler.budget import moe_budget
 
     args = meta.get("args") or {}
     names = args.get("model")
@@ -349,7 +349,7 @@ def budget_section(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec, 
 
 def replicas_section(frame: pd.DataFrame, style: str) -> list[str]:
     """What EPLB replicas buy (run/suite --replicas: each MoE case without and with replicas), or nothing."""
-    from commbench.report.replicas import REPLICAS_NOTE, replicas_table
+    from commbench.report.analysis.replicas import REPLICAS_NOTE, replicas_table
 
     table = replicas_table(frame, style) if not frame.empty else None
     if not table:

@@ -7,8 +7,8 @@ import html
 from collections import Counter
 from typing import Any
 
-from commbench.report.tables import format_table
-from commbench.report.verdict import Element, Verdict
+from commbench.report.judge.verdict import Element, Verdict
+from commbench.report.pages.tables import format_table
 
 _HEADERS = ["status", "group", "check", "measured", "limit", "message", "remedy"]
 _ORDER = {"FAIL": 0, "WARN": 1, "SKIP": 2, "PASS": 3}

@@ -32,11 +32,11 @@ import commbench
 from commbench.errors import UsageError
 from commbench.inputs.userfiles import clip, kind_of, load_json, show_path
 from commbench.plain import is_missing, knobs_text, plain
-from commbench.report.files import spec_from_meta
-from commbench.report.folder import write_atomic
+from commbench.report.folder.claim import write_atomic
+from commbench.report.folder.reading import read_report
+from commbench.report.folder.writer import spec_from_meta
 from commbench.report.frame import results_frame
-from commbench.report.html import incomplete_reason
-from commbench.report.reading import read_report
+from commbench.report.pages.html import incomplete_reason
 
 SCHEMA = "commbench.baseline/1"
 # A baseline holds a few numbers per case and window: 64 MiB is far beyond any real sweep.

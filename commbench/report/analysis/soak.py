@@ -16,8 +16,8 @@ from typing import Any
 import pandas as pd
 
 from commbench.inputs.limits import Limits
-from commbench.report.verdict import Element
-from commbench.report.windows import busbw_per_window, case_columns, case_name
+from commbench.report.analysis.windows import busbw_per_window, case_columns, case_name
+from commbench.report.judge.verdict import Element
 
 END_WINDOWS = 3  # windows at each end whose median is compared (fewer when the soak had few)
 SOAK_COLUMN = "soak_s"  # seconds from the soak's start to the row's end (result rows of a soak run)

@@ -20,7 +20,7 @@ import pandas as pd
 
 from commbench.plain import is_missing
 from commbench.report.knobs import knob_setting
-from commbench.report.tables import fmt_int, format_table
+from commbench.report.pages.tables import fmt_int, format_table
 from commbench.traffic.pattern import Pattern, build_pattern
 from commbench.traffic.replicas import Placement
 from commbench.traffic.routing import RoutingConfig, replica_placement

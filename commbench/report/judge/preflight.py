@@ -19,7 +19,7 @@ import pandas as pd
 
 from commbench.hardware.health import ECC_COUNTERS, NVLINK_COUNTERS, CounterSnapshot, GpuHealth
 from commbench.inputs.specs import SystemSpec, has_figures
-from commbench.report.verdict import Element
+from commbench.report.judge.verdict import Element
 
 PREFLIGHT = "preflight"
 HEALTH = "health"

@@ -36,7 +36,7 @@ import numpy as np
 
 from commbench.errors import UsageError
 from commbench.inputs.userfiles import read_user_bytes, shorten, show_path
-from commbench.report.folder import write_atomic
+from commbench.report.folder.claim import write_atomic
 from commbench.traffic.pattern import Pattern
 
 NCCL_TESTS_SOURCE = "NVIDIA/nccl-tests v2.19.6 (a0b82b2), src/alltoallv.cu"

@@ -1,7 +1,7 @@
 """The human-readable pages of a report folder: summary.md and report.html (tables, plots as embedded PNG).
 
 Both read a ``results_frame``, the per-rank frame (``rank_frame``), meta.json's content and the spec; the
-figures come from ``commbench.report.frame``, the tables from ``commbench.report.tables``. Plots use
+figures come from ``commbench.report.frame``, the tables from ``commbench.report.pages.tables``. Plots use
 matplotlib's object API (no pyplot: no global state, no display backend needed).
 """
 
@@ -15,10 +15,13 @@ import pandas as pd
 
 from commbench.inputs.specs import SystemSpec, has_figures
 from commbench.plain import is_missing
+from commbench.report.analysis.soak import soak_figure
+from commbench.report.analysis.windows import WINDOW_NOTE, window_spread_table
 from commbench.report.frame import CONVENTIONS, average_bus_bandwidth, balanced_rows
+from commbench.report.judge.verdict import Verdict
 from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
-from commbench.report.modes import check_text, timing_text
-from commbench.report.sections import (
+from commbench.report.pages.modes import check_text, timing_text
+from commbench.report.pages.sections import (
     PNG_URL,
     ExtraTables,
     budget_section,
@@ -30,8 +33,7 @@ from commbench.report.sections import (
     profile_section,
     replicas_section,
 )
-from commbench.report.soak import soak_figure
-from commbench.report.tables import (
+from commbench.report.pages.tables import (
     SKEW_COST_NOTE,
     any_emulated,
     fmt_int,
@@ -46,9 +48,7 @@ from commbench.report.tables import (
     spec_legend,
     time_note,
 )
-from commbench.report.verdict import Verdict
-from commbench.report.verdict_view import verdict_html, verdict_markdown
-from commbench.report.windows import WINDOW_NOTE, window_spread_table
+from commbench.report.pages.verdict_view import verdict_html, verdict_markdown
 
 
 def environment_lines(meta: dict[str, Any]) -> list[tuple[str, str]]:

@@ -1,0 +1,1 @@
+"""I/O of a report folder: the folder claimed, files written atomically, read back checked."""

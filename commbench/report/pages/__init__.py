@@ -1,0 +1,1 @@
+"""The pages of a report folder: summary.md, report.html and the console tables."""

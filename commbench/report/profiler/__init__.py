@@ -1,0 +1,1 @@
+"""The profiler's analyses: steps and stragglers, communication kernels, overlap, the comm/compute budget."""
