@@ -22,9 +22,10 @@ from typing import Any
 from commbench.backends.torchdist import TorchDistBackend
 from commbench.inputs.models import load_model
 from commbench.inputs.skew import parse_skew
+from commbench.run.config import CHECK_OFF, RunOptions
 from commbench.run.dist import launch
 from commbench.run.harness import run_jobs
-from commbench.run.jobs import CHECK_OFF, BalancedJob, MoeJob, RunOptions
+from commbench.run.jobs import BalancedJob, MoeJob
 from commbench.traffic.routing import RoutingConfig
 
 MODES = (CHECK_OFF, "checksum", "every")
@@ -42,7 +43,7 @@ def entry(comm: Any, tokens: int, size: int, warmup: int, iters: int, rounds: in
         for mode in MODES:
             comm.barrier()
             start = time.perf_counter()
-            rows, _ = run_jobs(comm, jobs, RunOptions("gloo", check_mode=mode), TorchDistBackend)
+            rows, _ = run_jobs(comm, jobs, RunOptions("gloo", check=mode), TorchDistBackend)
             comm.barrier()
             results[mode].append((time.perf_counter() - start, rows))
     return results

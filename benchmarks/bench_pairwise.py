@@ -22,9 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from commbench.cli.options import DEFAULT_ITERS, DEFAULT_WARMUP
 from commbench.inputs.limits import load_limits
 from commbench.inputs.specs import load_spec
+from commbench.run.declare import DEFAULT_ITERS, DEFAULT_WARMUP
 from commbench.run.pairwise import PairwiseJob, round_robin_rounds, windows
 
 DONE = re.compile(r"pairwise link test done in ([0-9.]+) s")

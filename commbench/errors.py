@@ -53,3 +53,35 @@ class StoppedError(CommbenchError):
     def __reduce__(self) -> tuple[type, tuple[int, str]]:
         # Pickled from a spawned rank to the launcher: rebuild with the signal, not just the message.
         return (type(self), (self.signum, str(self)))
+
+
+def first_line(text: object) -> str:
+    """The first non-blank line of ``text``, stripped: a failed rank's message carries its whole traceback
+    after its first line."""
+    return next((line.strip() for line in str(text).splitlines() if line.strip()), "")
+
+
+def one_line(text: object) -> str:
+    """Every line of ``text`` joined into one."""
+    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+
+
+def error_line(exc: BaseException) -> tuple[int, str]:
+    """The exit code and the one stderr line of an error that ends a command (the one place that decides
+    both; click's own usage errors are turned into ``UsageError`` by the command group first)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + signal.SIGINT, "commbench: interrupted (SIGINT)"
+    if isinstance(exc, StoppedError):  # not a failure of the run: it was told to stop
+        return exc.exit_code, f"commbench: {one_line(exc)}"
+    if isinstance(exc, CommbenchError):
+        return exc.exit_code, f"commbench: error: {one_line(exc)}"
+    hint = "(set COMMBENCH_DEBUG=1 for the traceback)"
+    return 1, f"commbench: error: unexpected {type(exc).__name__}: {first_line(exc)} {hint}"
+
+
+def debug_enabled() -> bool:
+    """COMMBENCH_DEBUG=1 (or true/yes/on): errors keep their tracebacks. "0", "false", "no", "off" and "" do
+    not turn it on."""
+    import os
+
+    return os.environ.get("COMMBENCH_DEBUG", "").strip().lower() in ("1", "true", "yes", "on")

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from commbench.inputs.specs import SystemSpec
     from commbench.report.judge.outliers import CaseSpread, SpreadOutcome
     from commbench.report.judge.verdict import Element, RunStatus, Verdict
-    from commbench.run.jobs import Job, RunOptions
+    from commbench.run.config import AcceptanceConfig, RunOptions
+    from commbench.run.jobs import Job
 
 # Backends whose figures are GPU fabric figures; on every other one (gloo, shmem-emu, mock, sim) bandwidth
 # is not judged: the verdict checks data, completion, the harness and the rank spread only.
@@ -34,52 +35,42 @@ ARRIVAL_COLUMN = "arrival_us_p50"
 
 @dataclass(frozen=True)
 class Acceptance:
-    """What a launch is judged by (pickled to every rank): the spec whose limits apply (None: no bandwidth
-    judged), how it was chosen, the user's limits file and overrides, an optional baseline file."""
+    """What a launch is judged by (handed to every rank): the spec whose limits apply (None: no bandwidth
+    judged), how it was chosen, the limits (the spec's shipped ones with the user's file and overrides laid
+    over them) and the baseline, each read and checked once, in the launching process (``load``)."""
 
-    spec_name: str | None
+    spec: SystemSpec | None
     spec_how: str
-    limits_file: str | None = None
-    limit_overrides: tuple[str, ...] = ()
-    baseline_file: str | None = None
+    limits: Limits
+    baseline: dict[str, Any] | None
+    files: AcceptanceConfig
     baseline_warn_pct: float = 5.0
     baseline_fail_pct: float = 10.0
 
-    def limits(self) -> Limits:
+    @classmethod
+    def load(cls, files: AcceptanceConfig, spec: SystemSpec | None, spec_how: str) -> Acceptance:
+        """Read the limits and the baseline of ``files`` (UsageError, one line, for a bad file or override:
+        before anything launches)."""
         from commbench.inputs.limits import load_limits
-
-        return load_limits(self.spec_name, self.limits_file, self.limit_overrides)
-
-    def baseline(self) -> dict[str, Any] | None:
         from commbench.report.judge.baseline import read_baseline
 
-        return read_baseline(self.baseline_file) if self.baseline_file else None
-
-    def check(self) -> None:
-        """UsageError (one line) for a bad limits file, override or baseline: before anything launches."""
-        self.limits()
-        self.baseline()
-        if not 0 <= self.baseline_warn_pct <= self.baseline_fail_pct:
-            from commbench.errors import UsageError
-
-            raise UsageError(
-                f"--baseline-warn-pct {self.baseline_warn_pct:g} must be <= --baseline-fail-pct "
-                f"{self.baseline_fail_pct:g}"
-            )
+        limits = load_limits(spec.name if spec is not None else None, files.limits, files.limit)
+        baseline = read_baseline(files.baseline) if files.baseline else None
+        return cls(spec, spec_how, limits, baseline, files)
 
     def to_meta(self) -> dict[str, Any]:
         return {
-            "spec": self.spec_name,
+            "spec": self.spec.name if self.spec is not None else None,
             "how_chosen": self.spec_how,
-            "limits_file": self.limits_file,
-            "limit_overrides": list(self.limit_overrides),
-            "baseline_file": self.baseline_file,
+            "limits_file": self.files.limits,
+            "limit_overrides": list(self.files.limit),
+            "baseline_file": self.files.baseline,
             "baseline_warn_pct": self.baseline_warn_pct,
             "baseline_fail_pct": self.baseline_fail_pct,
         }
 
 
-def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec, str, str | None]:
+def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec, str, SystemSpec | None]:
     """(the spec the report compares with, how it was chosen, the spec the verdict judges by). No --spec:
     detected from the GPUs (``inputs.spec_choice``); no GPU or an unknown one: ``no_spec``, no %spec. A run
     on a CPU backend never judges bandwidth, whatever --spec says (its figures are not a GPU fabric's)."""
@@ -95,7 +86,7 @@ def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec,
     if backend not in GPU_BACKENDS:
         what = "" if choice.name is None else f"; the report compares with {choice.name} as a what-if"
         return spec, f"{backend} run on CPU: bandwidth not judged ({choice.how}){what}", None
-    return spec, choice.how, choice.name
+    return spec, choice.how, spec if choice.name else None
 
 
 def rank_names(layout: Layout) -> dict[int, str]:
@@ -167,7 +158,7 @@ def confirm_slow_ranks(
 
     plan: tuple[list[str], list[Job], int] | None = None
     firsts: list[CaseSpread] = []
-    limits = acceptance.limits() if comm.rank == 0 else None  # read once: only rank 0 judges
+    limits = acceptance.limits if comm.rank == 0 else None  # only rank 0 judges
     if limits is not None:
         firsts = arrival_spreads(rank_rows, limits)
         flagged = {spread.case for spread in needs_rerun(firsts, limits.spread)}
@@ -199,13 +190,10 @@ def make_judge(
     test, a "bisect" element says whether slow all-to-all cases come from a slow pair or not."""
 
     def judge(frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any]) -> Verdict:
-        from commbench.inputs.specs import load_spec
         from commbench.report.judge.verdict import Element, build_verdict
 
-        limits = acceptance.limits()
-        spec = load_spec(acceptance.spec_name) if acceptance.spec_name else None
+        limits, spec, baseline = acceptance.limits, acceptance.spec, acceptance.baseline
         extra = []
-        baseline = acceptance.baseline()
         if baseline is not None and not frame.empty:
             from commbench.report.judge.compare import compare_to_baseline
 

@@ -11,6 +11,7 @@ import click
 from commbench.cli import options as opt
 from commbench.errors import UsageError
 from commbench.report.pages.tables import format_table
+from commbench.run.declare import MAX_RANKS, MAX_TOKENS, SKEW_HELP
 
 # --fabric choices as fabric-model knobs (FabricParams); no choice keeps the spec's.
 FABRIC_KINDS: dict[str, dict[str, bool]] = {
@@ -48,7 +49,7 @@ def _count_option(
     default: int | None = None,
     minimum: int = 1,
     dest: str | None = None,
-    maximum: int = opt.MAX_RANKS,
+    maximum: int = MAX_RANKS,
 ) -> opt.Decorator:
     """An integer option in [minimum, maximum]; its default is shown when it has one."""
     return click.option(
@@ -127,8 +128,8 @@ def topo(as_json: bool) -> None:
     help="Comma-separated world sizes (GPUs).",
 )
 @click.option("--spec", default="gb300-nvl72", show_default=True, help="System spec name or YAML path.")
-@_count_option("--tokens", "Tokens per rank.", default=4096, dest="tokens_per_rank", maximum=opt.MAX_TOKENS)
-@click.option("--skew", default="uniform", show_default=True, help=opt.SKEW_HELP)
+@_count_option("--tokens", "Tokens per rank.", default=4096, dest="tokens_per_rank", maximum=MAX_TOKENS)
+@click.option("--skew", default="uniform", show_default=True, help=SKEW_HELP)
 @_count_option("--ep-size", "Ranks per EP group [default: min(ranks, experts)].")
 @_count_option("--ranks-per-domain", "NVLink domain size [default: the spec's].")
 @_count_option("--ranks-per-host", "Ranks per host [default: the spec's].")
@@ -154,10 +155,10 @@ def topo(as_json: bool) -> None:
 )
 @_count_option("--pod-gpus", "GPUs under one leaf group (with --oversubscription).", minimum=0)
 @_count_option(
-    "--sample-tokens", "Routed tokens behind the sampled fast path.", default=4096, maximum=opt.MAX_TOKENS
+    "--sample-tokens", "Routed tokens behind the sampled fast path.", default=4096, maximum=MAX_TOKENS
 )
 @click.option("--exact", "exact", flag_value=True, default=None, help="Route every token (slow at scale).")
-@opt.SEED
+@opt.config_options("simulate")
 @click.option(
     "--tflops",
     type=opt.finite_float(0.0, 1e6, min_open=True),

@@ -1,122 +1,39 @@
-"""One launch for ``run`` and ``suite``: everything a launch needs is checked in the parent (spec, layout
-overrides, backend, its options, report folder), then every rank runs the jobs and rank 0 writes the report
-as phases finish, prints a progress line per phase and the results table.
+"""One launch for ``run``, ``profile`` and ``suite``: everything a launch needs is resolved and checked in the
+parent (backend and its knob sweep, the spec, the acceptance limits and baseline, the report folder), then
+every rank runs the jobs (``cli.worker``) and rank 0 writes the report as phases finish.
 
-Every call into the harness (``commbench.run``) and the report (``commbench.report``) for a launch is here.
+The config (``commbench.run.config.RunConfig``) arrives checked; here it gains what only the machine can
+say (the backend ``auto`` resolves to, the spec of the GPUs) and is handed to the ranks as a ``LaunchPlan``.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import math
 import os
-import re
 import shlex
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
 import commbench
-from commbench.cli.options import DEFAULT_ITERS, DEFAULT_WARMUP, QUICK_ITERS, QUICK_WARMUP
-from commbench.errors import StoppedError
+from commbench.cli.inputs import MAX_CASES
+from commbench.cli.plan import LaunchPlan, incomplete_reason
+from commbench.errors import StoppedError, UsageError, error_line
+from commbench.run.config import RESUME_FREE, RunConfig, config_to_meta
 
 if TYPE_CHECKING:
     from commbench.backends.options import OptionSweep
     from commbench.cli.acceptance import Acceptance
-    from commbench.inputs.specs import SystemSpec
     from commbench.report import OutDirClaim
-    from commbench.run.jobs import Job, RunOptions
-    from commbench.run.pairwise import PairwiseJob
-    from commbench.traffic.routing import RoutingConfig
+    from commbench.run.jobs import Job
 
 DEFAULT_REPORTS_DIR = "reports"
 _DEFAULT_OUT_TRIES = 100  # runs starting in the same second each take the next -N suffix
-
-
-@dataclass(frozen=True)
-class LaunchSettings:
-    """Where and how the jobs of ``run`` or ``suite`` run: their shared options (``cli.options``), with the
-    world size and the defaults resolved."""
-
-    world_size: int
-    backend: str  # as requested: auto, nccl, gloo, ...
-    warmup: int
-    iters: int
-    timeout_s: float
-    out: str | None
-    spec_text: str | None  # --spec; None: chosen from the detected GPUs (cli.acceptance)
-    ranks_per_domain: int | None
-    ranks_per_host: int | None
-    imbalance_cost: bool
-    check_mode: str  # --check: how the timed iterations are verified (RunOptions.check_mode)
-    timing: str | None  # --timing: every job's (jobs.TIMINGS), or None for each kind's default
-    inject_delay: tuple[tuple[int, float], ...] = ()  # --inject-delay RANK:US (test hook): (rank, seconds)
-    pair_delay: tuple[tuple[int, int, float], ...] = ()  # --inject-delay SRC-DST:US: (src, dst, seconds)
-    pair_bytes: int | None = None  # --pair-bytes: the pairwise test's message size (None: the limits')
-    limits_file: str | None = None  # --limits FILE: acceptance limits over the spec's shipped ones
-    limit_overrides: tuple[str, ...] = ()  # --limit KEY=VALUE
-    baseline_file: str | None = None  # --baseline FILE: each case also judged against it
-    resume: str | None = None  # --resume DIR: continue that interrupted run in its own folder
-    profile: bool = False  # --profile (run.profile): steps, arrivals on one clock
-    trace: bool = False  # --trace: trace.json of every rank (implies profile)
-    torch_profiler: bool = False  # --torch-profiler: Kineto capture of the timed iterations
-    tflops: float | None = None  # --tflops: the comm/compute budget's per-GPU throughput
-
-    @classmethod
-    def from_params(cls, params: dict[str, Any], quick: bool = False) -> LaunchSettings:
-        """Takes (pops) the shared options out of a command's click parameters; UsageError without a world
-        size outside torchrun, or one that differs from torchrun's, and for --check every with --timing
-        window."""
-        from commbench.errors import UsageError
-        from commbench.run.dist import resolve_world_size
-
-        values = {field.name: params.pop(field.name) for field in fields(cls) if field.name != "pair_delay"}
-        delays = tuple(values.get("inject_delay") or ())  # RANK:US and SRC-DST:US, told apart by length
-        values["inject_delay"] = tuple(item for item in delays if len(item) == 2)
-        values["pair_delay"] = tuple(item for item in delays if len(item) == 3)
-        values["limit_overrides"] = tuple(values.get("limit_overrides") or ())
-        if values["check_mode"] == "every" and values["timing"] == "window":
-            raise UsageError("--check every needs --timing iteration")
-        values["profile"] = bool(values["profile"] or values["trace"])
-        if values["profile"]:  # steps are resolved after each call's synchronize: one call per timed region
-            if values["timing"] == "window":
-                raise UsageError(
-                    "--profile and --trace time every iteration on its own: drop --timing window"
-                )
-            values["timing"] = "iteration"
-        values["world_size"] = resolve_world_size(values["world_size"])
-        if values["warmup"] is None:
-            values["warmup"] = QUICK_WARMUP if quick else DEFAULT_WARMUP
-        if values["iters"] is None:
-            values["iters"] = QUICK_ITERS if quick else DEFAULT_ITERS
-        return cls(**values)
-
-
-def job_timing(settings: LaunchSettings, kind_default: str) -> str:
-    """--timing if given, else the job kind's default; --check every (each timed iteration verified) turns a
-    window default into iteration timing."""
-    if settings.timing is not None:
-        return settings.timing
-    return "iteration" if settings.check_mode == "every" else kind_default
-
-
-def moe_job(cfg: RoutingConfig, send_mode: str, settings: LaunchSettings) -> Job:
-    """An MoE case: dispatch and combine of ``cfg``'s routing."""
-    from commbench.run.jobs import MoeJob
-
-    timing = job_timing(settings, MoeJob.timing)
-    return MoeJob(cfg.model.name, cfg, send_mode, warmup=settings.warmup, iters=settings.iters, timing=timing)
-
-
-def balanced_job(sizes: list[int], settings: LaunchSettings) -> Job:
-    """A balanced all-to-all size sweep (nccl-tests alltoall)."""
-    from commbench.run.jobs import BalancedJob
-
-    timing = job_timing(settings, BalancedJob.timing)
-    return BalancedJob("balanced", sizes, warmup=settings.warmup, iters=settings.iters, timing=timing)
+MAX_KNOB_SETTINGS = 1000  # --backend-option sweeps: combinations in one launch
 
 
 def _phases(job: Job) -> int:
@@ -137,152 +54,62 @@ def default_out_dir(base: str | os.PathLike[str] = DEFAULT_REPORTS_DIR) -> Path:
     return candidate
 
 
-@dataclass
-class LaunchPlan:
-    """What the parent hands to every rank (must pickle)."""
+def launch(config: RunConfig, jobs: list[Job], plan: dict[str, Any], pairwise: bool = False) -> None:
+    """Resolve and check everything in the parent, run ``jobs`` on every rank (then the pairwise link test
+    when ``pairwise``), write the report folder.
 
-    jobs: list[Job]
-    options: RunOptions
-    spec: SystemSpec  # what the report compares with
-    out_dir: str
-    meta: dict[str, Any]
-    total_steps: int
-    swept_keys: tuple[str, ...] = ()  # knobs a --backend-option sweep varies (named in progress lines)
-    pairwise: PairwiseJob | None = None  # the pairwise link test, after the jobs (None: not run)
-    soak_s: float | None = None  # --soak: the jobs round after round for this long (None: once)
-    trace: bool = False  # --trace: rank 0 writes trace.json of every profiled phase
-    torch_profiler: bool = False  # --torch-profiler: every rank writes kineto/rank<R>.json
-    tflops: float | None = None  # --tflops: the comm/compute budget's throughput (None: the default)
-    out_claim: str | None = None  # the token of the launcher's claim on out_dir (report.claim_out_dir)
-    resume: bool = False  # out_dir is an interrupted run's folder: skip its finished cases, append
-    acceptance: Acceptance | None = None  # what the verdict judges by (None: no verdict, unit tests)
-
-
-def launch(
-    command: str,
-    settings: LaunchSettings,
-    jobs: list[Job],
-    args: dict[str, Any],
-    option_pairs: Sequence[str] | None = None,
-    corrupt: str | None = None,
-    pairwise: bool = False,
-    soak_s: float | None = None,
-) -> None:
-    """Check everything in the parent, run ``jobs`` on every rank (then the pairwise link test when
-    ``pairwise``), write the report folder.
-
-    ``args`` are the command's own arguments for meta.json (the shared ones are added here);
-    ``option_pairs`` the ``--backend-option`` pairs of a command that takes them (None: it does not);
-    ``soak_s``: run the jobs round after round for that many seconds (suite --soak).
-    UsageError (one line, nothing launched or written) on bad input.
+    ``plan`` is what the command made of its options (sizes, repeats, a trace's source: meta.json's
+    ``plan``). UsageError (one line, nothing launched or written) on bad input.
     """
     from commbench.cli.acceptance import Acceptance, choose_report_spec
     from commbench.cli.worker import launch_worker
     from commbench.run import dist
-    from commbench.run.jobs import RunOptions
 
-    world = settings.world_size
-    _check_layout(settings)
-    backend, reason, sweep = _choose_backend(settings, option_pairs or ())
-    system, spec_how, judged_spec = choose_report_spec(settings.spec_text, backend)
-    acceptance = Acceptance(
-        judged_spec, spec_how, settings.limits_file, settings.limit_overrides, settings.baseline_file
-    )
-    acceptance.check()  # limits and baseline files: one line, exit 2, before anything starts
-    fixed = sweep.fixed
+    world = config.world_size
+    backend, reason, sweep = _choose_backend(config, len(jobs))
+    system, spec_how, judged_spec = choose_report_spec(config.acceptance.spec, backend)
+    # Limits and baseline read and checked once, here: one line, exit 2, before anything starts.
+    acceptance = Acceptance.load(config.acceptance, judged_spec, spec_how)
     knob_settings = sweep.settings()
     if knob_settings != [{}]:  # setting outermost: each setting's backend is built once
         jobs = [replace(job, backend_options=dict(setting)) for setting in knob_settings for job in jobs]
-    shared = {"world_size": world, "backend": backend}
-    if option_pairs is not None:
-        shared.update(backend_options={**fixed, **sweep.swept}, knob_settings=len(knob_settings))
-    shared.update(
-        warmup=settings.warmup,
-        iters=settings.iters,
-        timeout_s=settings.timeout_s,
-        spec=settings.spec_text,  # None: chosen from the hardware (meta.json's acceptance says how)
-        ranks_per_domain=settings.ranks_per_domain,
-        ranks_per_host=settings.ranks_per_host,
-        imbalance_cost=settings.imbalance_cost,
-        check=settings.check_mode,
-        timing=settings.timing,  # None: each kind's default (the rows' timing column says which ran)
-        profile=settings.profile,
-        trace=settings.trace,
-        torch_profiler=settings.torch_profiler,
-        tflops=settings.tflops,
-    )
-    if settings.inject_delay or settings.pair_delay:  # a planted fault: the report must say so
-        shared["inject_delay_us"] = {
-            **{str(rank): seconds * 1e6 for rank, seconds in settings.inject_delay},
-            **{f"{src}-{dst}": seconds * 1e6 for src, dst, seconds in settings.pair_delay},
-        }
+    options = replace(config.harness, backend=backend, backend_options=sweep.fixed)
+    plan = {**plan, "backend": backend, "backend_options": {**sweep.fixed, **sweep.swept}}
+    plan["knob_settings"] = len(knob_settings)
     link_test = None
     if pairwise:
         from commbench.cli.linktest import pairwise_job
 
-        link_test = pairwise_job(
-            settings.pair_bytes, settings.warmup, settings.iters, acceptance, world, backend, not jobs
-        )
+        link_test = pairwise_job(config, acceptance, backend, alone=not jobs)
     if link_test is not None:
-        shared["pairwise"] = {
+        plan["pairwise"] = {
             "bandwidth_bytes": link_test.bandwidth_bytes,
             "latency_bytes": link_test.latency_bytes,
             "warmup": link_test.warmup,
             "iters": link_test.iters,
         }
-    options = RunOptions(
-        backend=backend,
-        backend_options=fixed,
-        timeout_s=settings.timeout_s,
-        corrupt=corrupt,
-        ranks_per_domain=settings.ranks_per_domain,
-        ranks_per_host=settings.ranks_per_host,
-        imbalance_cost=settings.imbalance_cost,
-        check_mode=settings.check_mode,
-        inject_delay=settings.inject_delay,
-        pair_delay=settings.pair_delay,
-        profile=settings.profile,
-    )
-    options.check(world)  # a rank out of range in --inject-delay, before anything starts
-    if settings.limits_file or settings.limit_overrides or settings.baseline_file:
-        shared.update(
-            limits=settings.limits_file, limit=list(settings.limit_overrides), baseline=settings.baseline_file
-        )
-    meta = _run_meta(command, {**args, **shared}, reason)
+    meta = _run_meta(config, plan, reason)
     meta["acceptance"] = acceptance.to_meta()
-    if settings.resume:
-        out_dir, out_claim, meta, total = _prepare_resume(settings, command, meta, jobs)
+    if config.launch.resume:
+        out_dir, out_claim, meta, total = _prepare_resume(config, meta, jobs)
     else:
-        out_dir, out_claim = _prepare_out(settings.out)
+        out_dir, out_claim = _prepare_out(config.launch.out)
         total = sum(_phases(job) for job in jobs)
     if dist.is_rank0_process():
         swept = f"; {len(knob_settings)} knob settings ({sweep.describe()})" if sweep.swept else ""
-        resumed = " (resumed: its finished cases are skipped)" if settings.resume else ""
+        resumed = " (resumed: its finished cases are skipped)" if config.launch.resume else ""
         click.echo(
-            f"commbench {command}: backend {reason}; {world} ranks; spec {system.name} ({spec_how}){swept}; "
-            f"{total} cases; report folder {out_dir}{resumed}",
+            f"commbench {config.command}: backend {reason}; {world} ranks; spec {system.name} ({spec_how})"
+            f"{swept}; {total} cases; report folder {out_dir}{resumed}",
             err=True,
         )
     token = out_claim.token if out_claim is not None else None
-    plan = LaunchPlan(
-        jobs,
-        options,
-        system,
-        out_dir,
-        meta,
-        total,
-        tuple(sweep.swept),
-        out_claim=token,
-        acceptance=acceptance,
-        resume=bool(settings.resume),
-        pairwise=link_test,
-        soak_s=soak_s,
-        trace=settings.trace,
-        torch_profiler=settings.torch_profiler,
-        tflops=settings.tflops,
-    )
+    launch_plan = LaunchPlan(
+        config, jobs, options, system, out_dir, meta, total, tuple(sweep.swept), link_test, token,
+        bool(config.launch.resume), acceptance,
+    )  # fmt: skip
     try:
-        dist.launch(world, launch_worker, (plan,), backend, settings.timeout_s)
+        dist.launch(world, launch_worker, (launch_plan,), backend, options.timeout_s)
     except BaseException as exc:
         # A launch that failed before rank 0 wrote anything leaves no empty report folder behind; one that
         # wrote rows leaves them, marked INCOMPLETE (here if rank 0 was killed before it could say so).
@@ -302,7 +129,6 @@ def launch(
 def _verdict_last(out_dir: str, error: BaseException | None) -> None:
     """The console's last line: the verdict with the report path (after the error line of a failed run),
     and the verdict's exit code (click.exceptions.Exit: the error line is already out)."""
-    from commbench.cli.main import exit_code_and_message
     from commbench.errors import CommbenchError
     from commbench.report import saved_verdict
     from commbench.report.judge.verdict import console_line
@@ -321,24 +147,10 @@ def _verdict_last(out_dir: str, error: BaseException | None) -> None:
         return
     if verdict is None:
         return  # nothing was judged (nothing ran): the error line alone
-    code, message = exit_code_and_message(error)
+    code, message = error_line(error)
     click.echo(message, err=True)
     click.echo(console_line(verdict, out_dir))
     raise click.exceptions.Exit(code)
-
-
-def incomplete_reason(exc: BaseException) -> str | None:
-    """Why a run that ended with ``exc`` left an incomplete report (one line), or None when the report is
-    as complete as the run meant it to be (wrong data: the failing job's rows say so, and the run stops)."""
-    from commbench.errors import VerificationError
-
-    if isinstance(exc, VerificationError):
-        return None
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else type(exc).__name__
-    if isinstance(exc, StoppedError):  # "stopped by SIGTERM", "the launcher (pid 12) is gone"
-        return re.sub(r"^rank \d+: ", "", text).split(";")[0]
-    return text
 
 
 def _finish_partial_report(
@@ -371,32 +183,32 @@ def _finish_partial_report(
     return f"what finished is in {out_dir} (marked INCOMPLETE)"
 
 
-def _choose_backend(settings: LaunchSettings, option_pairs: Sequence[str]) -> tuple[str, str, OptionSweep]:
+def _choose_backend(config: RunConfig, cases: int) -> tuple[str, str, OptionSweep]:
     """(backend, why it was chosen, its --backend-option values; sim's over the report's spec and layout):
     the backend's own availability check, the device check, every knob setting's ``check_options``."""
     from commbench.backends import get_backend
     from commbench.backends.options import parse_option_sweep
     from commbench.run.dist import resolve_backend
 
-    if settings.backend != "auto":
+    requested = config.harness.backend
+    if requested != "auto":
         # The backend's own pre-launch check (nvshmem: "needs GPUs and NVSHMEM"), before the device count.
-        check_available = getattr(get_backend(settings.backend), "check_available", None)
+        check_available = getattr(get_backend(requested), "check_available", None)
         if callable(check_available):
             check_available()
-    backend, reason = resolve_backend(settings.backend, settings.world_size)
+    backend, reason = resolve_backend(requested, config.world_size)
     backend_class = get_backend(backend)
-    sweep = parse_option_sweep(backend, backend_class.OPTIONS, option_pairs)
-    fixed = _with_report_layout(sweep.fixed, settings) if backend == "sim" else sweep.fixed
+    sweep = parse_option_sweep(backend, backend_class.OPTIONS, config.launch.backend_option)
+    settings = math.prod(len(values) for values in sweep.swept.values())
+    if settings > MAX_KNOB_SETTINGS or settings * max(cases, 1) > MAX_CASES:
+        raise UsageError(
+            f"--backend-option sweeps {settings} knob settings x {cases} cases; at most {MAX_KNOB_SETTINGS} "
+            f"settings and {MAX_CASES} cases in one launch: list fewer values"
+        )
+    fixed = _with_report_layout(sweep.fixed, config) if backend == "sim" else sweep.fixed
     for setting in sweep.settings():  # a bad value in any setting of a sweep fails now, not in the ranks
-        backend_class.check_options({**fixed, **setting}, world_size=settings.world_size)
+        backend_class.check_options({**fixed, **setting}, world_size=config.world_size)
     return backend, reason, replace(sweep, fixed=fixed)
-
-
-def _check_layout(settings: LaunchSettings) -> None:
-    """The layout overrides' nesting and sizes checked; UsageError otherwise."""
-    from commbench.inputs.layout import build_layout
-
-    build_layout(settings.world_size, settings.ranks_per_domain, settings.ranks_per_host)
 
 
 def _judge(acceptance: Acceptance | None, error: BaseException | None) -> Any:
@@ -409,37 +221,34 @@ def _judge(acceptance: Acceptance | None, error: BaseException | None) -> Any:
     return make_judge(acceptance, run_status_from_error(error))
 
 
-def _with_report_layout(options: dict[str, Any], settings: LaunchSettings) -> dict[str, Any]:
+def _with_report_layout(options: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     """The sim backend models the report's system and layout, unless its own options say otherwise."""
     from commbench.inputs.specs import DEFAULT_SPEC_NAME
 
     # sim needs figures to model: with no --spec it models the catalogue's default system.
-    merged = {"spec": settings.spec_text or DEFAULT_SPEC_NAME, **options}
-    if settings.ranks_per_domain is not None:
-        merged.setdefault("ranks_per_domain", settings.ranks_per_domain)
-    if settings.ranks_per_host is not None:
-        merged.setdefault("ranks_per_host", settings.ranks_per_host)
+    merged = {"spec": config.acceptance.spec or DEFAULT_SPEC_NAME, **options}
+    if config.harness.ranks_per_domain is not None:
+        merged.setdefault("ranks_per_domain", config.harness.ranks_per_domain)
+    if config.harness.ranks_per_host is not None:
+        merged.setdefault("ranks_per_host", config.harness.ranks_per_host)
     return merged
 
 
 def _prepare_resume(
-    settings: LaunchSettings, command: str, meta: dict[str, Any], jobs: list[Job]
+    config: RunConfig, meta: dict[str, Any], jobs: list[Job]
 ) -> tuple[str, OutDirClaim | None, dict[str, Any], int]:
-    """--resume DIR on rank 0: the folder checked (an INCOMPLETE run of this command with these options)
-    and taken over; (folder, claim, its meta.json for this run, phases left). Other ranks: (folder, None,
-    meta, 0); rank 0 tells them the jobs left inside the launch."""
+    """--resume DIR on rank 0: the folder checked (an INCOMPLETE run of this command with this config) and
+    taken over; (folder, claim, its meta.json for this run, phases left). Other ranks: (folder, None, meta,
+    0); rank 0 tells them the jobs left inside the launch."""
     from commbench.cli.resume import check_same_run, read_interrupted, remaining_jobs, resumed_meta
-    from commbench.errors import UsageError
     from commbench.report.folder.claim import take_over_out_dir
     from commbench.run.dist import is_rank0_process
 
-    folder = str(settings.resume)
-    if settings.out:
-        raise UsageError("--resume DIR writes into DIR: leave out --out")
+    folder = str(config.launch.resume)
     if not is_rank0_process():
         return folder, None, meta, 0
     saved, results = read_interrupted(folder)
-    check_same_run(folder, saved, command, meta["args"])
+    check_same_run(folder, saved, config, RESUME_FREE)
     left, kept = remaining_jobs(jobs, results)
     if not left:
         raise UsageError(f"--resume {folder}: every case already finished; render it with commbench report")
@@ -451,7 +260,6 @@ def _prepare_out(out: str | None) -> tuple[str, OutDirClaim | None]:
     """Claim (on rank 0) the report folder before launching: created exclusively, or an existing empty one
     claimed by its marker, so two runs given the same --out cannot both take it (UsageError for the
     second, and for a folder that is not new or empty). Without --out: the next free reports/<UTC time>."""
-    from commbench.errors import UsageError
     from commbench.report import OutDirTaken, claim_out_dir
     from commbench.run.dist import is_rank0_process
 
@@ -469,13 +277,16 @@ def _prepare_out(out: str | None) -> tuple[str, OutDirClaim | None]:
     raise UsageError(f"could not claim a new folder under {DEFAULT_REPORTS_DIR}/; pass --out DIR")
 
 
-def _run_meta(command: str, args: dict[str, Any], backend_reason: str) -> dict[str, Any]:
+def _run_meta(config: RunConfig, plan: dict[str, Any], backend_reason: str) -> dict[str, Any]:
+    """meta.json as the launch starts: the config as itself, what the command made of it, how the backend
+    was chosen, the launcher and the command line."""
     from commbench.run.launch_env import launcher
 
     return {
         "commbench_version": commbench.__version__,
-        "subcommand": command,
-        "args": args,
+        "subcommand": config.command,
+        "config": config_to_meta(config),
+        "plan": plan,
         "backend_choice": backend_reason,
         "launcher": launcher(),  # torchrun, slurm (srun tasks) or spawn (local ranks started here)
         "argv": list(sys.argv),

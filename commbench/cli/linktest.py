@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from commbench.inputs.limits import Limits
     from commbench.inputs.specs import SystemSpec
     from commbench.report.judge.verdict import Element
-    from commbench.run.jobs import RunOptions
+    from commbench.run.config import RunConfig, RunOptions
     from commbench.run.pairwise import PairwiseJob
 
 
@@ -113,14 +113,11 @@ def frame_wrong(frame: Any) -> int:
     return int(frame["wrong"].fillna(0).sum())
 
 
-def pairwise_job(
-    pair_bytes: int | None, warmup: int, iters: int, acceptance: Acceptance, world: int, backend: str,
-    alone: bool,
-) -> PairwiseJob | None:  # fmt: skip
+def pairwise_job(config: RunConfig, acceptance: Acceptance, backend: str, alone: bool) -> PairwiseJob | None:
     """The pairwise link test: message sizes from the limits (``pairwise.*_bytes``, per spec) unless
-    --pair-bytes (``pair_bytes``) says otherwise; the launch's warm-up and iterations. None (said on
-    stderr) on a backend that moves no data (mock, sim): their ranks have no links to measure; UsageError
-    when it was to run alone (``run --pattern pairwise``)."""
+    --pair-bytes says otherwise; the launch's warm-up and iterations. None (said on stderr) on a backend that
+    moves no data (mock, sim): their ranks have no links to measure; UsageError when it was to run alone
+    (``run --pattern pairwise``)."""
     from commbench.backends import get_backend
     from commbench.errors import UsageError
     from commbench.run.dist import is_rank0_process
@@ -136,12 +133,13 @@ def pairwise_job(
             click.echo(f"commbench: pairwise link test skipped: backend {backend} moves no data", err=True)
         return None
 
-    rule = acceptance.limits().pairwise
+    rule = acceptance.limits.pairwise
+    pair_bytes = config.pairwise.pair_bytes
     job = PairwiseJob(
-        bandwidth_bytes=pair_bytes or rule.bandwidth_bytes,
+        bandwidth_bytes=pair_bytes if pair_bytes is not None else rule.bandwidth_bytes,
         latency_bytes=rule.latency_bytes,
-        warmup=min(warmup, 5),
-        iters=iters,
+        warmup=min(int(config.timing.warmup or 0), 5),
+        iters=int(config.timing.iters or 1),
     )
-    job.check(world)
+    job.check(config.world_size)
     return job

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
 from typing import Any
 
@@ -22,31 +21,21 @@ from commbench.cli.fabric import simulate, topo
 from commbench.cli.pattern import pattern
 from commbench.cli.report import report
 from commbench.cli.run import profile, run, suite
-from commbench.errors import CommbenchError, StoppedError
-
-
-def _one_line(text: str) -> str:
-    return " ".join(part.strip() for part in str(text).splitlines() if part.strip())
+from commbench.errors import debug_enabled, error_line, one_line
 
 
 def exit_code_and_message(exc: BaseException) -> tuple[int, str]:
-    """The exit code and the one stderr line for an error that ends the command."""
+    """The exit code and the one stderr line for an error that ends the command: click's usage errors here,
+    everything else by ``commbench.errors.error_line``."""
     if isinstance(exc, click.exceptions.ClickException):  # click's own usage errors (bad option, bad value)
         hint = ""
         if isinstance(exc, click.UsageError) and exc.ctx is not None:
             hint = f" (see '{exc.ctx.command_path} --help')"
         code = 2 if isinstance(exc, click.UsageError) else exc.exit_code
-        return code, f"commbench: error: {_one_line(exc.format_message())}{hint}"
-    if isinstance(exc, click.exceptions.Abort | KeyboardInterrupt):
-        return 128 + signal.SIGINT, "commbench: interrupted (SIGINT)"
-    if isinstance(exc, StoppedError):  # not a failure of the run: it was told to stop
-        return exc.exit_code, f"commbench: {_one_line(str(exc))}"
-    if isinstance(exc, CommbenchError):
-        return exc.exit_code, f"commbench: error: {_one_line(str(exc))}"
-    # Only the first line: a failed rank's message carries its whole traceback after it.
-    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
-    hint = "(set COMMBENCH_DEBUG=1 for the traceback)"
-    return 1, f"commbench: error: unexpected {type(exc).__name__}: {first} {hint}"
+        return code, f"commbench: error: {one_line(exc.format_message())}{hint}"
+    if isinstance(exc, click.exceptions.Abort):
+        return error_line(KeyboardInterrupt())
+    return error_line(exc)
 
 
 def _exit_if_stranded(code: int) -> None:
@@ -82,7 +71,7 @@ class CommbenchGroup(click.Group):
         standalone_mode: bool = True,
         **extra: Any,
     ) -> Any:
-        debug = os.environ.get("COMMBENCH_DEBUG", "") not in ("", "0")
+        debug = debug_enabled()
         try:
             result = super().main(
                 args=args,

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import click
 
-from commbench.cli.inputs import MoeInputs, build_routing_config
-from commbench.cli.options import NCCL_TESTS_MATRIX, moe_options
+from commbench.cli.inputs import build_routing_config, cap_cpu_threads
+from commbench.cli.options import config_options, config_values
+from commbench.run.config import MoeConfig
 
 if TYPE_CHECKING:
-    from commbench.cli.launch import LaunchSettings
     from commbench.traffic.pattern import Pattern
-    from commbench.traffic.routing import RoutingConfig
 
 
 @click.command()
-@moe_options
+@config_options("pattern")
 @click.option(
     "--world-size",
     type=click.IntRange(min=1),
@@ -28,7 +24,6 @@ if TYPE_CHECKING:
     help="Number of ranks the experts are spread over.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the pattern (matrices and statistics) as JSON.")
-@NCCL_TESTS_MATRIX
 @click.option(
     "--pattern",
     "pattern_kind",
@@ -42,12 +37,14 @@ if TYPE_CHECKING:
 def pattern(
     world_size: int,
     as_json: bool,
-    nccl_tests_matrix: str | None,
     pattern_kind: str,
     kineto_trace: str | None,
     **params: Any,
 ) -> None:
     """Build a traffic pattern without running it and print its statistics (no processes are started)."""
+    values = config_values("pattern", params)
+    nccl_tests_matrix = values.pop("nccl_tests_matrix", None)
+    inputs = MoeConfig(**values)
     if pattern_kind == "kineto" or kineto_trace is not None:
         click.echo(kineto_pattern(kineto_trace, world_size, as_json, pattern_kind, nccl_tests_matrix))
         return
@@ -62,7 +59,6 @@ def pattern(
     from commbench.traffic.pattern import build_pattern, pattern_to_json
 
     cap_cpu_threads()
-    inputs = MoeInputs.from_params(params)
     cfg = build_routing_config(inputs, world_size, dry_run=False)
     if nccl_tests_matrix is not None:
         check_export_paths(nccl_tests_matrix)  # before the routing, which can take a while
@@ -130,61 +126,6 @@ def kineto_pattern(
         ]
         lines.append(format_table(["src", *(f"->{dst}" for dst in range(trace.group_size)), "sent"], table))
     return "\n".join(lines)
-
-
-@contextmanager
-def nccl_tests_files(
-    cfg: RoutingConfig | None, send_mode: str, path: str | None, settings: LaunchSettings
-) -> Iterator[None]:
-    """``run --nccl-tests-matrix``: around the launch, in the process that is (or starts) rank 0, write the
-    nccl-tests files of ``cfg``'s pattern (the one ``commbench pattern`` builds, routed here) and print their
-    commands on stderr with the run's --iters/--warmup; a run refused (UsageError) removes them again, so bad
-    input leaves nothing. ``cfg`` None: not an MoE run, refused."""
-    from commbench.errors import UsageError
-    from commbench.run.dist import is_rank0_process
-
-    if path is not None and cfg is None:
-        raise UsageError(
-            "--nccl-tests-matrix exports an MoE pattern (--pattern moe); a balanced sweep is nccl-tests' own "
-            "alltoall_perf (-b/-e/-f as --min-bytes/--max-bytes/--step-factor)"
-        )
-    if path is None or cfg is None or not is_rank0_process():
-        yield
-        return
-    from commbench.cli.resources import check_pattern_fits
-    from commbench.report.interop.nccl_tests_export import (
-        check_export_paths,
-        export_summary,
-        plan_export,
-        remove_export,
-        write_export,
-    )
-    from commbench.traffic.pattern import build_pattern
-
-    check_export_paths(path)
-    check_pattern_fits(cfg, as_json=False)
-    exports = plan_export(build_pattern(cfg, send_mode), path, settings.iters, settings.warmup)
-    write_export(exports)
-    click.echo(export_summary(exports, timing_known=True), err=True)
-    try:
-        yield
-    except UsageError:
-        remove_export(exports)
-        raise
-
-
-def cap_cpu_threads(threads: int = 1) -> None:
-    """Run torch's CPU ops (OpenMP and MKL) on ``threads`` threads unless the user set OMP_NUM_THREADS.
-
-    Routing a pattern is many small tensor ops per rank: extra intra-op threads only add hand-offs, and on a
-    busy host their spin-waiting costs more than they compute. Measured on 2 cores, 64 ranks x 4,096
-    deepseek-v3 tokens: idle, 2.6-2.8 s (3.0 s CPU) with 2 threads vs 2.3-2.6 s (2.0-2.4 s CPU) with 1;
-    beside other busy processes 5-22 s (4.8-8.5 s CPU) vs 3.2-11 s (1.6-2.4 s CPU)."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
-    import torch
-
-    torch.set_num_threads(threads)
 
 
 def describe_pattern(built: Pattern, top: int = 5) -> str:

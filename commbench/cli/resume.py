@@ -1,8 +1,9 @@
 """``--resume DIR``: continue an interrupted run in its own report folder, skipping the cases it finished.
 
 The folder must be one a run left INCOMPLETE (meta.json ``status: "incomplete"``), written by the same
-command with the same options (every saved argument that shapes the cases is compared; the first
-difference is a one-line error). A balanced size, or an MoE case (both its phases, written together), is
+command with the same config (meta.json's ``config`` compared with this command's, field by field, but for
+the options that do not change what a case measures; the first difference is a one-line error). A
+balanced size, or an MoE case (both its phases, written together), is
 finished when its row is in results.csv; everything else runs again, appended to the same files. The run
 that resumes takes the folder over (a new claim marker), so that two resumes of one folder cannot both run.
 """
@@ -16,50 +17,39 @@ from typing import TYPE_CHECKING, Any
 
 from commbench.errors import UsageError
 from commbench.plain import is_missing
+from commbench.run.config import RunConfig, config_leaves, config_to_meta
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from commbench.run.jobs import Job
 
-# Saved arguments that may differ between the interrupted run and the one resuming it: they do not change
-# which cases run or what a case measures.
-_FREE_ARGS = frozenset({"timeout_s", "limits", "limit", "baseline", "inject_delay_us"})
 
-
-def _norm(value: Any) -> Any:
-    """A saved (JSON) and a new argument compare equal when they mean the same: tuples as lists."""
-    if isinstance(value, tuple):
-        return [_norm(item) for item in value]
-    if isinstance(value, list):
-        return [_norm(item) for item in value]
-    if isinstance(value, dict):
-        return {str(key): _norm(item) for key, item in value.items()}
-    return value
-
-
-def check_same_run(folder: str, saved: dict[str, Any], command: str, args: dict[str, Any]) -> None:
-    """UsageError unless ``saved`` (the folder's meta.json) is an INCOMPLETE run of ``command`` with
-    ``args``."""
+def check_same_run(folder: str, saved: dict[str, Any], config: RunConfig, free: frozenset[str]) -> None:
+    """UsageError unless ``saved`` (the folder's meta.json) is an INCOMPLETE run of the same command with the
+    same config (every option but those in ``free``, which do not change what a case measures)."""
     if saved.get("status") != "incomplete":
         raise UsageError(
             f"--resume {folder}: that run finished (meta.json has no INCOMPLETE status); nothing to resume, "
             "start a new run with --out"
         )
-    if saved.get("subcommand") != command:
+    if saved.get("subcommand") != config.command:
         raise UsageError(
             f"--resume {folder}: it was written by 'commbench {saved.get('subcommand')}', not 'commbench "
-            f"{command}'; resume it with the same command"
+            f"{config.command}'; resume it with the same command"
         )
-    saved_args = saved.get("args") or {}
-    for key in sorted(set(saved_args) | set(args)):
-        if key in _FREE_ARGS:
-            continue
-        old, new = _norm(saved_args.get(key)), _norm(args.get(key))
-        if old != new:
+    if not isinstance(saved.get("config"), dict):
+        version = saved.get("commbench_version", "an earlier version")
+        raise UsageError(
+            f"--resume {folder}: written by commbench {version}, whose meta.json has no config to compare "
+            "with; run it again with --out"
+        )
+    old, new = config_leaves(saved), config_leaves({"config": config_to_meta(config)})
+    for key in sorted(set(old) | set(new)):
+        if key not in free and old.get(key) != new.get(key):
             raise UsageError(
-                f"--resume {folder}: the interrupted run had {key}={old!r}, this command gives {new!r}; "
-                "give the same options as the interrupted run"
+                f"--resume {folder}: the interrupted run had {key}={old.get(key)!r}, this command gives "
+                f"{new.get(key)!r}; give the same options as the interrupted run"
             )
 
 

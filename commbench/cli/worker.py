@@ -20,8 +20,8 @@ import click
 from commbench.cli.progress import Progress
 
 if TYPE_CHECKING:
-    from commbench.cli.launch import LaunchPlan
     from commbench.cli.linktest import LinkTestOutcome
+    from commbench.cli.plan import LaunchPlan
     from commbench.inputs.layout import Layout
     from commbench.report import ReportWriter
 
@@ -68,7 +68,7 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
     progress = Progress(plan.total_steps, plan.spec, plan.swept_keys)
     names = rank_names(layout)
     extra: list[Any] = list(health.preflight)
-    profiled = _ProfileSink(writer, plan.trace) if plan.options.profile else None
+    profiled = _ProfileSink(writer, plan.config.profiler.trace) if plan.options.profile else None
 
     def sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
         with deferred_stop():  # a stop signal waits until these rows are written whole
@@ -86,12 +86,10 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
         health.finish(comm, writer, extra)
         if profiled is not None:
             profiled.finish(names)
-        if (
-            plan.torch_profiler
-        ):  # every rank's capture is written: their cases ended before the last collective
+        if plan.config.profiler.torch_profiler:  # every rank's capture is written: their cases ended first
             writer.read_kineto()
     except BaseException as stopped_by:
-        from commbench.cli.launch import incomplete_reason
+        from commbench.cli.plan import incomplete_reason
 
         # Keep whatever finished readable (summary, html, verdict), saying INCOMPLETE and why, before the
         # error propagates; a second stop signal meanwhile does not cut it short.
@@ -126,7 +124,7 @@ def _run_cases(
     from commbench.run import torch_profiler
 
     # --torch-profiler: a Kineto trace per rank of the cases (measured calls marked), kineto/rank<R>.json.
-    with torch_profiler.capture(plan.torch_profiler, plan.out_dir, comm.rank):
+    with torch_profiler.capture(plan.config.profiler.torch_profiler, plan.out_dir, comm.rank):
         return _run_rounds(comm, plan, backend_class, layout, sink, progress, profiler)
 
 
@@ -178,7 +176,7 @@ def _link_test(
     from commbench.errors import VerificationError
     from commbench.report.judge.pairs import PAIRS_FILE
 
-    limits = plan.acceptance.limits() if comm.rank == 0 and plan.acceptance is not None else None
+    limits = plan.acceptance.limits if comm.rank == 0 and plan.acceptance is not None else None
     outcome: LinkTestOutcome = run_link_test(comm, plan.pairwise, plan.options, layout, limits, plan.spec)
     if writer is not None and outcome.rows:
         from commbench.run.liveness import deferred_stop
@@ -219,12 +217,11 @@ class _Health:
         if comm.rank != 0:
             return cls(watch, [], [], [], None)
         from commbench.cli.acceptance import rank_names
-        from commbench.inputs.specs import load_spec
         from commbench.report.judge.preflight import preflight_elements
 
         acceptance = plan.acceptance
-        spec = load_spec(acceptance.spec_name) if acceptance is not None and acceptance.spec_name else None
-        limits = acceptance.limits() if acceptance is not None else None
+        spec = acceptance.spec if acceptance is not None else None
+        limits = acceptance.limits if acceptance is not None else None
         tolerance = int(limits.value("health.max_counter_increase") or 0) if limits is not None else 0
         names = rank_names(layout)
         healths = [item[0] for item in gathered]

@@ -184,6 +184,10 @@ class Limits:
     def __post_init__(self) -> None:
         object.__setattr__(self, "values", MappingProxyType(dict(self.values)))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Handed to every rank once parsed (the launch's Acceptance): a read-only view does not pickle.
+        return (type(self), (dict(self.values), self.source, self.cpu_run, self.spec_name))
+
     def value(self, key: str) -> Any:
         """The value of ``key``; None where it does not apply (bandwidth keys of a CPU run)."""
         return self.values.get(key)

@@ -14,7 +14,7 @@ Per phase (dispatch, combine, or the balanced "alltoall") every rank runs ``warm
 The timer's end is taken by ``Timer.stop(backend.synchronize)``: a CUDA timer records its end event on the
 stream before the host waits, a host clock reads after the wait. An emulated backend's modelled time
 replaces the timer's (a window: the sum of its calls' modelled times / iters). Verification in iteration
-timing covers every timed iteration (``RunOptions.check_mode``): the backend fills its receive buffers with a
+timing covers every timed iteration (``RunOptions.check``): the backend fills its receive buffers with a
 sentinel before each one (``Backend.poison_receive_buffers``), so a call that moves nothing cannot pass on
 the previous iteration's bytes; then ``checksum`` (default) compares a checksum of each iteration's output
 with the expected one and verifies the last iteration in full, ``every`` verifies every iteration in full
@@ -52,14 +52,13 @@ from commbench.inputs.layout import Layout
 from commbench.plain import knobs_text
 from commbench.run import torch_profiler
 from commbench.run.clocks import estimate_offsets
+from commbench.run.config import CHECK_MODES, RunOptions
 from commbench.run.interface import Backend
 from commbench.run.jobs import (
-    CHECK_MODES,
     CHECK_WINDOW_LAST,
     BalancedJob,
     MatrixJob,
     MoeJob,
-    RunOptions,
     check_timing,
     job_backend_options,
 )
@@ -114,9 +113,9 @@ def check_label(backend: Backend, opts: RunOptions, timing: str = "iteration") -
     final output, or "n/a" for a backend that moves no data."""
     if not backend.moves_data:
         return "n/a"
-    if timing == "window" and opts.check_mode in CHECK_MODES:
+    if timing == "window" and opts.check in CHECK_MODES:
         return CHECK_WINDOW_LAST
-    return opts.check_mode
+    return opts.check
 
 
 def run_jobs(
@@ -137,7 +136,7 @@ def run_jobs(
     on rank 0 with every phase's profile (every rank's calls and steps on rank 0's clock: the clock offsets
     are estimated once here, a collective).
     """
-    opts.check(comm.world_size)
+    opts.check_world(comm.world_size)
     for job in jobs:
         job.check(comm.world_size)
         if backend_class.moves_data:  # nothing is verified otherwise, so any check mode fits any timing

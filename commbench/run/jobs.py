@@ -15,28 +15,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from commbench.errors import UsageError
-from commbench.inputs.layout import build_layout
+from commbench.run.config import TIMINGS, RunOptions
 from commbench.traffic.pattern import SEND_MODES
 from commbench.traffic.payload import HEADER_BYTES
 from commbench.traffic.plan import balanced_row_bytes
 from commbench.traffic.routing import RoutingConfig
 
-CORRUPT_PHASES = ("dispatch", "combine")
-# --check: "checksum" (default) checksums every timed iteration and verifies the last in full; "every"
-# verifies every timed iteration in full. Both poison the receive buffers before each timed iteration.
-CHECK_MODES = ("checksum", "every")
 # Window timing checks only the window's final output, byte for byte: the rows' check column says so.
 CHECK_WINDOW_LAST = "window-last"
-# How a phase is timed. "window" (nccl-tests' way, the balanced sweep's default): barrier, then one timer
-# around ``iters`` back-to-back calls, seconds per iteration = window / iters, one sample per rank.
-# "iteration" (the MoE phases' default; like nccl-tests -z 3): barrier, timer, one call, synchronize per
-# iteration, one sample per iteration (percentiles, every iteration checked).
-TIMINGS = ("window", "iteration")
-# Benchmark-only (benchmarks/bench_check.py, never offered by the CLI): no poisoning, no verification at
-# all; rows say check "off" and #wrong n/a. The baseline the cost of checking is measured against.
-CHECK_OFF = "off"
-# --inject-delay: at most 10 s per call, so that a typo cannot stall a run for hours.
-MAX_INJECT_DELAY_S = 10.0
 
 
 def _check_repeats(name: str, warmup: int, iters: int, timing: str) -> None:
@@ -162,69 +148,10 @@ class MatrixJob:
 Job = MoeJob | BalancedJob | MatrixJob
 
 
-@dataclass
-class RunOptions:
-    backend: str  # the backend's name (the caller resolves it to the class given to run_jobs)
-    backend_options: dict[str, Any] = field(default_factory=dict)
-    timeout_s: float = 300.0
-    # Test hook: "dispatch" flips one received byte (dispatch and balanced all-to-all), "combine" changes one
-    # combined element, on rank 0 after timing and before verification.
-    corrupt: str | None = None
-    # Layout overrides (CPU runs, what-ifs): contiguous ranks per NVLink domain / per host; None = discover.
-    ranks_per_domain: int | None = None
-    ranks_per_host: int | None = None
-    # Rerun each MoE job's phases on a balanced layout of the same rows (the balanced_* columns).
-    imbalance_cost: bool = False
-    # How the timed iterations are verified (CHECK_MODES, or CHECK_OFF in benchmarks only).
-    check_mode: str = "checksum"
-    # Test hook (--inject-delay RANK:US): (rank, seconds) pairs; that rank sleeps this long before each
-    # phase call of every timed iteration, inside the timer, so acceptance tests can plant a straggler.
-    inject_delay: tuple[tuple[int, float], ...] = ()
-    # Test hook (--inject-delay SRC-DST:US): (src, dst, seconds); in the pairwise link test SRC sleeps this
-    # long before each timed send to DST (run.pairwise), so that exactly that direction is slow.
-    pair_delay: tuple[tuple[int, int, float], ...] = ()
-    # --profile: named steps per timed iteration, every rank's arrival on rank 0's clock (run.profile);
-    # needs iteration timing (each call synchronized: its steps are resolved after it).
-    profile: bool = False
-
-    def delay_s(self, rank: int) -> float:
-        """The injected delay of ``rank`` before each timed call, in seconds (0: none)."""
-        return sum(seconds for delayed, seconds in self.inject_delay if delayed == rank)
-
-    def pair_delay_s(self, src: int, dst: int) -> float:
-        """The injected delay before each timed send from ``src`` to ``dst`` (pairwise test), in seconds."""
-        return sum(seconds for a, b, seconds in self.pair_delay if (a, b) == (src, dst))
-
-    def check(self, world_size: int) -> None:
-        """UsageError for an unknown corruption phase or check mode, or layout overrides that do not fit
-        ``world_size``."""
-        if self.corrupt is not None and self.corrupt not in CORRUPT_PHASES:
-            raise UsageError(f"unknown corrupt phase {self.corrupt!r}; choose dispatch or combine")
-        if self.check_mode not in (*CHECK_MODES, CHECK_OFF):
-            raise UsageError(f"unknown check mode {self.check_mode!r}; choose {' or '.join(CHECK_MODES)}")
-        for rank, seconds in self.inject_delay:
-            if not 0 <= rank < world_size:
-                raise UsageError(
-                    f"--inject-delay names rank {rank}, but ranks are 0..{world_size - 1}; pick one of them"
-                )
-            if not 0 < seconds <= MAX_INJECT_DELAY_S:
-                limit_us = MAX_INJECT_DELAY_S * 1e6
-                raise UsageError(f"--inject-delay {seconds * 1e6:g} us is out of range; use 1..{limit_us:g}")
-        for src, dst, seconds in self.pair_delay:
-            if not (0 <= src < world_size and 0 <= dst < world_size) or src == dst:
-                raise UsageError(
-                    f"--inject-delay {src}-{dst} needs two different ranks in 0..{world_size - 1}; pick them"
-                )
-            if not 0 < seconds <= MAX_INJECT_DELAY_S:
-                limit_us = MAX_INJECT_DELAY_S * 1e6
-                raise UsageError(f"--inject-delay {seconds * 1e6:g} us is out of range; use 1..{limit_us:g}")
-        build_layout(world_size, self.ranks_per_domain, self.ranks_per_host)
-
-
 def check_timing(job: Job, opts: RunOptions) -> None:
     """UsageError where the job's timing cannot give what the check mode verifies: --check every verifies
     each timed iteration's output, which window timing overwrites with the next one."""
-    if opts.check_mode == "every" and job.timing == "window":
+    if opts.check == "every" and job.timing == "window":
         raise UsageError("--check every needs --timing iteration")
 
 

@@ -21,7 +21,7 @@ buffer may be reused, not when the bytes landed). Each window's last message is 
 message of a one-way stream of small messages (nccl-tests sendrecv_perf's "time" at its smallest size), not a
 ping-pong half round trip: a ping-pong mixes both directions, and this test must tell a -> b from b -> a.
 
-The ``--inject-delay SRC-DST:US`` test hook (``RunOptions.pair_delay``) makes SRC sleep before each of its
+The ``--inject-delay SRC-DST:US`` test hook (``RunOptions.inject_delay``) makes SRC sleep before each of its
 timed sends to DST; those sends are posted from a helper thread so that SRC's own receives (the other
 direction) are not held up: exactly the one direction is slowed. On NCCL, where the sends and receives of a
 pair must be posted as one group, the delay holds the whole group (both directions of a bidir window).
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from commbench.errors import UsageError
 from commbench.inputs.layout import Layout
 from commbench.run.comm import synchronize_device
-from commbench.run.jobs import RunOptions
+from commbench.run.config import RunOptions
 
 PAIR_TESTS = ("latency", "bandwidth", "bidir")
 POISON = 255  # the receive buffer's sentinel; the payload never holds it (values mod 251)

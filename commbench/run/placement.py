@@ -6,7 +6,7 @@ from typing import Any
 
 from commbench.hardware.probes import local_place
 from commbench.inputs.layout import Layout, build_layout
-from commbench.run.jobs import RunOptions
+from commbench.run.config import RunOptions
 
 
 def gather_layout(comm: Any, opts: RunOptions) -> Layout:

@@ -7,7 +7,7 @@ run's layout. Times: every rank's samples [ranks, samples], ``timing`` saying wh
 timed iteration; "window": one per rank, window / iters, as nccl-tests); a sample's time is the MAX over
 ranks (the bottleneck rank: nccl-tests -a 3, where its default -a 1 averages the ranks); rows report the
 min/p50/p99/mean of those, in microseconds (all four equal in window timing). ``wrong`` sums every rank's
-checked outputs and ``check`` says how they were checked (``RunOptions.check_mode``, or "window-last": the
+checked outputs and ``check`` says how they were checked (``RunOptions.check``, or "window-last": the
 window's final output, byte for byte); a backend that moves no data has wrong None (n/a) and check "n/a".
 Knobs go in as data: one column per backend knob, and ``knobs``, a dict of the setting (the report writes
 it as "k=v k=v" text).
@@ -113,7 +113,7 @@ class RowMaker:
     job: Job
     backend: Backend
     layout: Layout
-    check: str = "checksum"  # the rows' check column: a RunOptions.check_mode, "window-last" or "n/a"
+    check: str = "checksum"  # the rows' check column: a RunOptions.check, "window-last" or "n/a"
 
     def emulated(self) -> bool:
         """Whether the rows are not GPU fabric figures: an emulated backend, or ranks on CPU (gloo)."""

@@ -8,8 +8,9 @@ from commbench.backends.mock import MockBackend
 from commbench.errors import UsageError, VerificationError
 from commbench.inputs.models import ModelConfig
 from commbench.inputs.skew import parse_skew
+from commbench.run.config import RunOptions
 from commbench.run.harness import run_jobs
-from commbench.run.jobs import BalancedJob, MoeJob, RunOptions
+from commbench.run.jobs import BalancedJob, MoeJob
 from commbench.run.threads import run_threads
 from commbench.traffic.pattern import build_pattern
 from commbench.traffic.plan import balanced_pair_rows

@@ -97,7 +97,8 @@ def _harness_entry(comm, jobs, opts):
 
 
 def test_harness_with_thread_ranks_reports_the_model():
-    from commbench.run.jobs import BalancedJob, MoeJob, RunOptions
+    from commbench.run.config import RunOptions
+    from commbench.run.jobs import BalancedJob, MoeJob
     from commbench.run.threads import run_threads
 
     world, size = 8, 1 << 16

@@ -16,9 +16,10 @@ from commbench.inputs.models import ModelConfig
 from commbench.inputs.skew import parse_skew
 from commbench.report import results_frame, results_table
 from commbench.report.pages.tables import pattern_tables
+from commbench.run.config import CHECK_MODES, RunOptions
 from commbench.run.dist import launch
 from commbench.run.harness import run_jobs
-from commbench.run.jobs import CHECK_MODES, BalancedJob, MoeJob, RunOptions
+from commbench.run.jobs import BalancedJob, MoeJob
 from commbench.run.threads import run_threads
 from commbench.traffic.payload import POISON_BYTE, encode_rows, expected_rows
 from commbench.traffic.plan import plan_balanced
@@ -78,7 +79,7 @@ def poisoned_then_refilled(comm, backend_class) -> tuple[bool, bool]:
 def gloo_entry(comm) -> dict:
     results = {"poison": poisoned_then_refilled(comm, TorchDistBackend)}
     for mode in CHECK_MODES:
-        opts = RunOptions("gloo", check_mode=mode)
+        opts = RunOptions("gloo", check=mode)
         results[mode, "clean"] = outcome(comm, [BALANCED, moe(comm.world_size)], opts, TorchDistBackend)
         for fault in FAULTS:  # the payload exchange of the balanced all-to-all
             with gloo_fault(fault, MIDDLE, torch.uint8):
@@ -100,7 +101,7 @@ def gloo_entry(comm) -> dict:
 def emu_entry(comm) -> dict:
     results = {"poison": poisoned_then_refilled(comm, ShmemEmuBackend)}
     for mode in CHECK_MODES:
-        opts = RunOptions("shmem-emu", check_mode=mode, timeout_s=30.0)
+        opts = RunOptions("shmem-emu", check=mode, timeout_s=30.0)
         results[mode, "clean"] = outcome(comm, [BALANCED, moe(comm.world_size)], opts, ShmemEmuBackend)
         for fault in FAULTS:
             with emu_fault(fault, MIDDLE, PUTS_PER_ITERATION):
@@ -169,7 +170,7 @@ def gpu_entry(comm) -> dict:
     """nccl: the faults of the gloo test; nvshmem (when this torch has it): poisoning and clean runs."""
     results: dict = {"poison": poisoned_then_refilled(comm, TorchDistBackend)}
     for mode in CHECK_MODES:
-        opts = RunOptions("nccl", check_mode=mode)
+        opts = RunOptions("nccl", check=mode)
         results[mode, "clean"] = outcome(comm, [BALANCED, moe(comm.world_size)], opts, TorchDistBackend)
         for fault in FAULTS:
             with gloo_fault(fault, MIDDLE, torch.uint8, rank=comm.world_size - 1):
@@ -181,7 +182,7 @@ def gpu_entry(comm) -> dict:
     except UsageError:  # this torch has no NVSHMEM: the nccl checks only
         return results
     results["nvshmem poison"] = poisoned_then_refilled(comm, NvshmemBackend)
-    opts = RunOptions("nvshmem", check_mode="every")
+    opts = RunOptions("nvshmem", check="every")
     results["nvshmem", "clean"] = outcome(comm, [BALANCED, moe(comm.world_size)], opts, NvshmemBackend)
     return results
 
@@ -205,13 +206,13 @@ def test_gpu_faults_are_caught_and_receive_buffers_poisoned():
 
 def test_unknown_check_mode_is_a_usage_error():
     with pytest.raises(UsageError, match="unknown check mode 'all'; choose checksum or every"):
-        RunOptions("gloo", check_mode="all").check(2)
+        RunOptions("gloo", check="all").check_world(2)
 
 
 @pytest.mark.parametrize("backend_class", [MockBackend, SimBackend])
 def test_backends_that_move_no_data_report_wrong_na(backend_class):
     jobs = [moe(2), BalancedJob("balanced", [SIZE], warmup=0, iters=2)]
-    opts = RunOptions(backend_class.name, corrupt="dispatch", check_mode="every")  # nothing to check
+    opts = RunOptions(backend_class.name, corrupt="dispatch", check="every")  # nothing to check
     rows, _ = run_threads(2, lambda comm: run_jobs(comm, jobs, opts, backend_class))
     assert [(r["wrong"], r["check"]) for r in rows] == [(None, "n/a")] * 3
     frame = results_frame(rows)

@@ -14,8 +14,8 @@ from click.testing import CliRunner
 
 from commbench.cli.main import cli
 from commbench.cli.run import run, suite
+from commbench.run.config import CHECK_MODES
 from commbench.run.dist import free_port
-from commbench.run.jobs import CHECK_MODES
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
@@ -117,7 +117,7 @@ def test_clean_run_with_check_every_passes(tmp_path):
 
 def test_check_option_offers_the_harness_modes_and_refuses_others(tmp_path):
     for command in (run, suite):  # the one shared option, offering exactly the harness's modes
-        [option] = [param for param in command.params if param.name == "check_mode"]
+        [option] = [param for param in command.params if param.name == "check"]
         assert tuple(option.type.choices) == CHECK_MODES and option.default == "checksum"
     args = ["run", "--world-size", "2", "--backend", "mock", "--check", "all", "--out", str(tmp_path / "x")]
     result = CliRunner().invoke(cli, args)

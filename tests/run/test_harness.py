@@ -17,9 +17,10 @@ from commbench.errors import UsageError, VerificationError
 from commbench.inputs.models import ModelConfig, load_model
 from commbench.inputs.skew import parse_skew
 from commbench.plain import knobs_text
+from commbench.run.config import RunOptions
 from commbench.run.dist import launch
 from commbench.run.harness import run_jobs
-from commbench.run.jobs import BalancedJob, MoeJob, RunOptions, job_backend_options
+from commbench.run.jobs import BalancedJob, MoeJob, job_backend_options
 from commbench.run.rows import byte_columns, imbalance_columns, row_knobs, time_columns
 from commbench.run.threads import run_threads
 from commbench.traffic.pattern import build_pattern

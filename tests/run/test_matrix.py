@@ -9,9 +9,10 @@ import pytest
 
 from commbench.backends.torchdist import TorchDistBackend
 from commbench.errors import UsageError, VerificationError
+from commbench.run.config import RunOptions
 from commbench.run.dist import launch
 from commbench.run.harness import run_jobs
-from commbench.run.jobs import MatrixCall, MatrixJob, RunOptions
+from commbench.run.jobs import MatrixCall, MatrixJob
 from commbench.run.matrix import matrix_pattern, matrix_plans
 from commbench.run.rows import byte_columns
 
@@ -61,7 +62,7 @@ def matrix_entry(comm, jobs, every):
     byte on rank 0 (caught here, with its rows)."""
     rows, _ = run_jobs(comm, jobs, RunOptions("gloo"), MovedBytes)
     moved = comm.all_gather_object(MovedBytes.moved[-1])  # the last call each rank ran
-    rows += run_jobs(comm, every, RunOptions("gloo", check_mode="every"), MovedBytes)[0]
+    rows += run_jobs(comm, every, RunOptions("gloo", check="every"), MovedBytes)[0]
     written: list[dict] = []
     try:
         corrupting = RunOptions("gloo", corrupt="dispatch")

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 from commbench.errors import UsageError
+from commbench.run.config import InjectedDelay, RunOptions
 from commbench.run.dist import launch
-from commbench.run.jobs import RunOptions
 from commbench.run.pairwise import POISON, PairwiseJob, payload, round_robin_rounds, run_pairwise
 
 DELAY_S = 0.03  # far above any gloo message time on a busy 2-core machine (< 5 ms seen)
@@ -45,7 +45,8 @@ def test_a_one_rank_world_or_empty_message_is_refused() -> None:
 def _measure(comm: Any, pair_delay: tuple, corrupt: tuple | None) -> list[dict[str, Any]]:
     if corrupt is not None and comm.rank == corrupt[1]:
         _corrupt_receives_from(corrupt[0])
-    opts = RunOptions(backend="gloo", pair_delay=pair_delay)
+    delays = tuple(InjectedDelay(src, dst, seconds) for src, dst, seconds in pair_delay)
+    opts = RunOptions(backend="gloo", inject_delay=delays)
     return run_pairwise(comm, PairwiseJob(bandwidth_bytes=64 << 10, warmup=1, iters=3), opts)
 
 

@@ -2,7 +2,7 @@
 
 from commbench.hardware.probes import RankPlace
 from commbench.inputs.layout import build_layout
-from commbench.run.jobs import RunOptions
+from commbench.run.config import RunOptions
 from commbench.run.placement import gather_layout
 from commbench.run.threads import run_threads
 

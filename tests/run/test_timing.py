@@ -14,9 +14,10 @@ from commbench.backends.mock import MockBackend
 from commbench.backends.torchdist import TorchDistBackend
 from commbench.errors import UsageError, VerificationError
 from commbench.run.comm import CpuTimer, CudaTimer
+from commbench.run.config import RunOptions
 from commbench.run.dist import launch
 from commbench.run.harness import bench, run_jobs
-from commbench.run.jobs import BalancedJob, RunOptions
+from commbench.run.jobs import BalancedJob
 from commbench.run.phases import Phase
 from commbench.run.threads import run_threads
 from tests.run.faults import gloo_fault
@@ -154,9 +155,7 @@ def test_timing_is_checked_before_any_collective():
     with pytest.raises(UsageError, match="unknown timing 'fast'; choose window or iteration"):
         run_jobs(comm, [BalancedJob("balanced", [64], timing="fast")], RunOptions("gloo"), TorchDistBackend)
     with pytest.raises(UsageError, match="^--check every needs --timing iteration$"):
-        run_jobs(
-            comm, [BalancedJob("balanced", [64])], RunOptions("gloo", check_mode="every"), TorchDistBackend
-        )
+        run_jobs(comm, [BalancedJob("balanced", [64])], RunOptions("gloo", check="every"), TorchDistBackend)
 
 
 def window_entry(comm) -> dict:

@@ -26,7 +26,7 @@ TIMING_TIME = {
 }
 TIMING_TEXT = {mode: f"{mode} ({TIMING_HOW[mode]}; time = {TIMING_TIME[mode]})" for mode in TIMING_HOW}
 
-# What each value of the rows' ``check`` column means (RunOptions.check_mode; "n/a": nothing moved).
+# What each value of the rows' ``check`` column means (RunOptions.check; "n/a": nothing moved).
 CHECK_TEXT = {
     "checksum": "checksum (receive buffers poisoned before every timed iteration; every iteration "
     "checksummed, the last verified byte for byte)",

@@ -15,8 +15,9 @@ import torch
 from commbench.backends.torchdist import TorchDistBackend
 from commbench.inputs.models import ModelConfig
 from commbench.inputs.skew import parse_skew
+from commbench.run.config import RunOptions
 from commbench.run.harness import run_jobs
-from commbench.run.jobs import BalancedJob, RunOptions
+from commbench.run.jobs import BalancedJob
 from commbench.run.steps import StepRecorder
 from commbench.traffic.payload import (
     COMBINE_ATOL,

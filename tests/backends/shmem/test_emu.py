@@ -18,8 +18,9 @@ from commbench.errors import CommError, UsageError, VerificationError
 from commbench.inputs.models import ModelConfig
 from commbench.inputs.skew import parse_skew
 from commbench.run import dist
+from commbench.run.config import RunOptions
 from commbench.run.harness import run_jobs
-from commbench.run.jobs import BalancedJob, MoeJob, RunOptions
+from commbench.run.jobs import BalancedJob, MoeJob
 from commbench.traffic.payload import decode_header, encode_rows, expert_outputs, received_keys
 from commbench.traffic.plan import plan_rank
 from commbench.traffic.routing import RoutingConfig, route_rank

@@ -87,8 +87,9 @@ def _one_pe_entry(comm, options: dict, send_mode: str) -> list[dict]:
     from commbench.backends.shmem.nvshmem import NvshmemBackend
     from commbench.inputs.models import ModelConfig
     from commbench.inputs.skew import parse_skew
+    from commbench.run.config import RunOptions
     from commbench.run.harness import run_jobs
-    from commbench.run.jobs import MoeJob, RunOptions
+    from commbench.run.jobs import MoeJob
     from commbench.traffic.routing import RoutingConfig
 
     # 16 experts: torch's all_to_all_vdev_2d (variant=vdev2d) takes at most 16 per rank.
