@@ -457,3 +457,10 @@ def config_leaves(meta: dict[str, Any]) -> dict[str, Any]:
         return {}
     renamed = {"spec_text": "spec", "tokens_per_rank": "tokens", "limit_overrides": "limit", "soak": "soak_s"}
     return {renamed.get(str(key), str(key)): value for key, value in args.items()}
+
+
+def meta_values(meta: dict[str, Any]) -> dict[str, Any]:
+    """What a report folder was run with, by name: its options (``config_leaves``) and what the command
+    made of them (meta.json's ``plan``: sizes, repeats, the resolved backend, a trace's source)."""
+    plan = meta.get("plan")
+    return {**config_leaves(meta), **(plan if isinstance(plan, dict) else {})}

@@ -14,6 +14,7 @@ from xml.etree import ElementTree
 import pytest
 
 from commbench.report.judge.verdict import read_verdict_json
+from commbench.run.config import meta_values
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # Small and quick: 4 gloo ranks, three balanced sizes, a few iterations.
@@ -81,7 +82,9 @@ def test_an_injected_slow_rank_is_named_confirmed_and_fails(tmp_path: Path, slow
     failures = junit.findall(".//failure")
     assert len(failures) == len(failed)
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["args"]["inject_delay_us"] == {str(slow_rank): 4000.0}  # the planted fault is on record
+    assert meta_values(meta)["inject_delay"] == [
+        {"src": slow_rank, "dst": None, "seconds": 0.004}
+    ]  # the planted fault is on record
 
 
 def test_wrong_data_fails_with_exit_3_and_a_data_element(tmp_path: Path) -> None:

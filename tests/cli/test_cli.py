@@ -18,6 +18,7 @@ from commbench.cli import cli
 from commbench.cli.inputs import balanced_sizes
 from commbench.cli.launch import default_out_dir
 from commbench.errors import UsageError
+from commbench.run.config import meta_values
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 REPORT_FILES = (
@@ -394,7 +395,7 @@ def test_end_to_end_run_and_report(tmp_path: Path, small_model: Path) -> None:
     assert ranks["domain"].tolist() == [0, 1, 0, 1]
     assert (ranks["scaleout_sent_bytes"] == ranks["sent_bytes"] - ranks["self_bytes"]).all()
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["args"]["world_size"] == 2 and meta["env"]["versions"]["torch"]
+    assert meta_values(meta)["world_size"] == 2 and meta["env"]["versions"]["torch"]
     assert meta["spec"]["nic_GBps_per_direction"] == 50.0 and meta["system_spec"]["name"] == "gb200-nvl72"
     assert meta["topology"]["domain_of_rank"] == [0, 1] and meta["topology"]["method"] == "override"
     summary = (out / "summary.md").read_text()
@@ -439,12 +440,12 @@ def test_backend_option_sweep_in_one_launch(tmp_path: Path, small_model: Path) -
     assert "| knobs " in summary and summary.count("| chunk_rows=4 signal=segment ") >= 2
     assert "signal_op=add" not in summary.split("## Results")[1].split("## Environment")[0]
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["args"]["backend_options"] == {
+    assert meta_values(meta)["backend_options"] == {
         "signal_op": "add",
         "chunk_rows": [4, 16],
         "signal": ["chunk", "segment"],
     }
-    assert meta["args"]["knob_settings"] == 4
+    assert meta_values(meta)["knob_settings"] == 4
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -507,7 +508,7 @@ def test_suite_runs_every_case_in_one_launch(tmp_path: Path, thread_ranks: None)
     summary = (out / "summary.md").read_text()
     assert "### balanced" in summary and "### deepseek-v3" in summary
     assert "Emulated (a model, an emulator or CPU ranks)" in summary  # mock timings are labelled
-    assert json.loads((out / "meta.json").read_text())["args"]["suite"] == "quick"
+    assert meta_values(json.loads((out / "meta.json").read_text()))["suite"] == "quick"
     # Imbalance cost is on by default in the suite: every MoE row has a positive skew cost.
     assert (moe["skew_cost"] > 0).all() and (moe["balanced_time_us_p50"] > 0).all()
     assert balanced["skew_cost"].isna().all()
@@ -537,7 +538,7 @@ def test_timing_defaults_per_kind_and_meta_args(tmp_path: Path, thread_ranks: No
         args = ["run", "--world-size", "2", "--backend", "mock", "--warmup", "0", "--iters", "3", *extra]
         result = invoke([*args, "--out", str(out)])
         assert result.exit_code == 0, result.output
-        return pd.read_csv(out / "results.csv"), json.loads((out / "meta.json").read_text())["args"]
+        return pd.read_csv(out / "results.csv"), meta_values(json.loads((out / "meta.json").read_text()))
 
     balanced = ["--pattern", "balanced", "--min-bytes", "1K", "--max-bytes", "2K"]
     rows, args = run("balanced", *balanced)

@@ -20,6 +20,7 @@ from commbench.cli.inputs import MoeInputs, build_routing_config, replica_cases
 from commbench.cli.launch import LaunchSettings, moe_job
 from commbench.cli.resume import remaining_jobs
 from commbench.report.analysis.replicas import replicas_table
+from commbench.run.config import meta_values
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -91,7 +92,7 @@ def test_run_measures_without_and_with_replicas_both_verified(tmp_path: Path) ->
     assert results["phase"].tolist() == ["dispatch", "combine", "dispatch", "combine"]
     # The dispatch bytes moved differ: replicas send tokens elsewhere.
     assert results["max_recv_bytes"][0] != results["max_recv_bytes"][2]
-    assert json.loads((out / "meta.json").read_text())["args"]["replicas"] == 8
+    assert meta_values(json.loads((out / "meta.json").read_text()))["replicas"] == 8
     table = replicas_table(results)
     assert table is not None and len(table.splitlines()) == 2
     cells = table.splitlines()[1].split()

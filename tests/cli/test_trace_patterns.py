@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 from commbench.cli import cli
 from commbench.inputs.kineto import read_kineto
+from commbench.run.config import meta_values
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 NCCL, GLOO, LOADS = DATA / "kineto", DATA / "kineto-gloo", DATA / "expert_load.csv"
@@ -58,8 +59,8 @@ def test_a_kineto_trace_runs_verified_on_gloo_with_its_bytes(tmp_path: Path) -> 
     assert dispatch["sent_bytes"].tolist() == [480, 416, 384, 512]  # the trace's in-splits x 32 B rows
     assert dispatch["recv_bytes"].tolist() == [320, 672, 288, 512]
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["args"]["pattern"] == "kineto" and meta["args"]["kineto_calls"] == 6
-    assert meta["args"]["kineto_trace"] == str(NCCL) and meta["args"]["kineto_group"] == "0"
+    assert meta_values(meta)["pattern"] == "kineto" and meta_values(meta)["kineto_calls"] == 6
+    assert meta_values(meta)["kineto_trace"] == str(NCCL) and meta_values(meta)["kineto_group"] == "0"
 
 
 def one_line_error(result, *fragments: str) -> None:

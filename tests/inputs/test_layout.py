@@ -23,8 +23,12 @@ def test_hosts_nest_inside_domains():
         build_layout(8, ranks_per_domain=4, ranks_per_host=3)
 
 
-def test_partial_last_domain_and_bad_sizes():
-    assert build_layout(4, ranks_per_domain=3).domain_of_rank.tolist() == [0, 0, 0, 1]
+def test_unequal_override_groups_are_refused_and_a_part_of_one_domain_is_not():
+    with pytest.raises(UsageError, match="does not divide the 4 ranks; use one of 1, 2, 4"):
+        build_layout(4, ranks_per_domain=3)
+    with pytest.raises(UsageError, match="--ranks-per-host 3 does not divide"):
+        build_layout(4, ranks_per_host=3)
+    assert build_layout(2, ranks_per_domain=8).domain_of_rank.tolist() == [0, 0]  # 2 GPUs of an 8-GPU box
     with pytest.raises(UsageError, match="positive"):
         build_layout(4, ranks_per_domain=0)
     with pytest.raises(UsageError, match="world size"):
@@ -64,9 +68,10 @@ def test_discovered_without_fabric_uses_hosts_and_accepts_dicts():
 
 def test_layout_describe():
     assert "2 x 2 ranks" in build_layout(4, ranks_per_domain=2).describe()
-    assert "2 x 3 + 1 x 1" in build_layout(7, ranks_per_domain=3).describe()
+    places = [RankPlace(host=host) for host in ("a", "a", "a", "b")]
+    assert "1 x 3 + 1 x 1" in build_layout(4, discovered=places).describe()
 
 
 def test_layout_arrays_are_int64():
-    layout = build_layout(5, ranks_per_domain=2)
+    layout = build_layout(6, ranks_per_domain=2)
     assert layout.domain_of_rank.dtype == np.int64 and layout.host_of_rank.dtype == np.int64
