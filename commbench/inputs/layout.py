@@ -90,8 +90,8 @@ def _contiguous(world_size: int, per_group: int, what: str) -> np.ndarray:
     if per_group <= 0:
         raise UsageError(f"{what} must be a positive integer, got {per_group}")
     if world_size > per_group and world_size % per_group:
-        # Groups of unequal size (3 + 1 at world 4) are no machine anyone builds: refuse, do not guess. A world
-        # inside one group (2 ranks of an 8-GPU domain) is a part of one machine: that is fine.
+        # Groups of unequal size (3 + 1 at world 4) are no machine anyone builds: refuse, do not guess. A
+        # world inside one group (2 ranks of an 8-GPU domain) is a part of one machine: that is fine.
         fits = [str(n) for n in range(1, world_size + 1) if world_size % n == 0]
         raise UsageError(
             f"{what} {per_group} does not divide the {world_size} ranks; use one of {', '.join(fits[:12])}"
