@@ -59,6 +59,69 @@ def test_imports_flow_down_the_stages(path):
     assert not later, f"{module} (stage {STAGES[own]}) imports later stages: {later}"
 
 
+def _graph() -> dict[str, set[str]]:
+    """module -> the commbench modules it imports (lazy and type-only imports included: a circle hidden by
+    them is still a circle), each import resolved to the module it names (a name imported from a package is
+    the package's __init__)."""
+    names = {_module_name(path): path for path in MODULES}
+    graph = {}
+    for module, path in names.items():
+        found = _imports(ast.parse(path.read_text(encoding="utf-8")), module)
+        graph[module] = {name for name in found if name in names and name != module}
+        # "from commbench.x import name": name is a module when it is one, else x itself is imported.
+        graph[module] = {
+            name
+            for name in graph[module]
+            if not any(other != name and other.startswith(name + ".") for other in graph[module])
+            or name not in {n.rsplit(".", 1)[0] for n in graph[module]}
+        }
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_circle_anywhere_even_inside_a_stage():
+    assert _circles(_graph()) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+
+
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_module_is_small_and_says_what_it_is_for(path):
     text = path.read_text(encoding="utf-8")

@@ -48,13 +48,15 @@ class Acceptance:
     baseline_fail_pct: float = 10.0
 
     @classmethod
-    def load(cls, files: AcceptanceConfig, spec: SystemSpec | None, spec_how: str) -> Acceptance:
-        """Read the limits and the baseline of ``files`` (UsageError, one line, for a bad file or override:
-        before anything launches)."""
+    def load(
+        cls, files: AcceptanceConfig, spec: SystemSpec | None, spec_how: str, chosen: str | None
+    ) -> Acceptance:
+        """Read the limits (of ``chosen``: the catalogue name or file the spec came from) and the baseline of
+        ``files`` (UsageError, one line, for a bad file or override: before anything launches)."""
         from commbench.inputs.limits import load_limits
         from commbench.report.judge.baseline import read_baseline
 
-        limits = load_limits(spec.name if spec is not None else None, files.limits, files.limit)
+        limits = load_limits(chosen if spec is not None else None, files.limits, files.limit)
         baseline = read_baseline(files.baseline) if files.baseline else None
         return cls(spec, spec_how, limits, baseline, files)
 
@@ -70,7 +72,7 @@ class Acceptance:
         }
 
 
-def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec, str, SystemSpec | None]:
+def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec, str, str | None]:
     """(the spec the report compares with, how it was chosen, the spec the verdict judges by). No --spec:
     detected from the GPUs (``inputs.spec_choice``); no GPU or an unknown one: ``no_spec``, no %spec. A run
     on a CPU backend never judges bandwidth, whatever --spec says (its figures are not a GPU fabric's)."""
@@ -86,7 +88,7 @@ def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec,
     if backend not in GPU_BACKENDS:
         what = "" if choice.name is None else f"; the report compares with {choice.name} as a what-if"
         return spec, f"{backend} run on CPU: bandwidth not judged ({choice.how}){what}", None
-    return spec, choice.how, spec if choice.name else None
+    return spec, choice.how, choice.name
 
 
 def rank_names(layout: Layout) -> dict[int, str]:

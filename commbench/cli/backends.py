@@ -21,8 +21,6 @@ from commbench.backends import (
     availability,
     load_backend,
 )
-from commbench.plain import plain
-from commbench.report.pages.tables import format_table
 
 HEADERS = ("backend", "from", "moves data", "available", "knobs", "why not")
 
@@ -93,6 +91,8 @@ def render(backends: list[dict[str, Any]]) -> str:
         )
         for item in backends
     ]
+    from commbench.report.pages.tables import format_table  # pandas: not for --help
+
     return format_table(HEADERS, rows, text_columns=range(len(HEADERS)))
 
 
@@ -105,6 +105,8 @@ def backends(as_json: bool) -> None:
     items = listing()
     if as_json:
         document = {"entry_point_group": ENTRY_POINT_GROUP, "discovery_error": DISCOVERY_ERROR or None}
+        from commbench.plain import plain
+
         click.echo(json.dumps(plain({**document, "backends": items}), indent=2))
         return
     click.echo(render(items))

@@ -10,7 +10,6 @@ import click
 
 from commbench.cli import options as opt
 from commbench.errors import UsageError
-from commbench.report.pages.tables import format_table
 from commbench.run.declare import MAX_RANKS, MAX_TOKENS, SKEW_HELP
 
 # --fabric choices as fabric-model knobs (FabricParams); no choice keeps the spec's.
@@ -222,6 +221,8 @@ def simulate(
         ]
         for r in result.rows
     ]
+    from commbench.report.pages.tables import format_table  # pandas: not for --help
+
     click.echo(format_table(SIMULATE_HEADERS, body))
     for note in result.notes:
         click.echo(f"note: {note}")
@@ -250,6 +251,8 @@ def _calibration_markdown(rows: Sequence[dict[str, Any]]) -> str:
     ]
     notes = [f"- (!) {r['case']}: {r['note']}" for r in rows if r["note"]]
     sources = "; ".join(sorted({r["source"] for r in rows}))
+    from commbench.report.pages.tables import format_table
+
     return "\n".join([format_table(headers, body, "markdown"), "", *notes, "", f"Sources: {sources}."])
 
 

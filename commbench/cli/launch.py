@@ -67,9 +67,9 @@ def launch(config: RunConfig, jobs: list[Job], plan: dict[str, Any], pairwise: b
 
     world = config.world_size
     backend, reason, sweep = _choose_backend(config, len(jobs))
-    system, spec_how, judged_spec = choose_report_spec(config.acceptance.spec, backend)
+    system, spec_how, judged = choose_report_spec(config.acceptance.spec, backend)
     # Limits and baseline read and checked once, here: one line, exit 2, before anything starts.
-    acceptance = Acceptance.load(config.acceptance, judged_spec, spec_how)
+    acceptance = Acceptance.load(config.acceptance, system if judged else None, spec_how, judged)
     knob_settings = sweep.settings()
     if knob_settings != [{}]:  # setting outermost: each setting's backend is built once
         jobs = [replace(job, backend_options=dict(setting)) for setting in knob_settings for job in jobs]
