@@ -197,6 +197,12 @@ def _choose_backend(config: RunConfig, cases: int) -> tuple[str, str, OptionSwee
         if callable(check_available):
             check_available()
     backend, reason = resolve_backend(requested, config.world_size)
+    if backend == "gloo" and not config.launch.allow_cpu:
+        from commbench.hardware.cuda_use import cuda_use
+
+        found = cuda_use()
+        if found.unusable:
+            raise UsageError(f"{found.cause}; {found.fix}, or pass --allow-cpu to measure the CPUs anyway")
     backend_class = get_backend(backend)
     sweep = parse_option_sweep(backend, backend_class.OPTIONS, config.launch.backend_option)
     settings = math.prod(len(values) for values in sweep.swept.values())

@@ -223,6 +223,13 @@ class LaunchConfig:
         kind="dir",
         show_default=False,
     )
+    allow_cpu: bool = option(
+        False,
+        "Run on gloo (CPU ranks) even though this host shows GPUs that torch cannot use (a CPU torch build, "
+        "a driver/CUDA mismatch). Without it such a run is refused (exit 2): its figures are this host's "
+        "CPUs, not the GPUs it was meant to test.",
+        kind="flag",
+    )
 
 
 @dataclass(frozen=True)
