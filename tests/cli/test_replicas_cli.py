@@ -16,11 +16,10 @@ import pytest
 from click.testing import CliRunner
 
 from commbench.cli import cli
-from commbench.cli.inputs import MoeInputs, build_routing_config, replica_cases
-from commbench.cli.launch import LaunchSettings, moe_job
+from commbench.cli.inputs import build_routing_config, moe_job, replica_cases
 from commbench.cli.resume import remaining_jobs
 from commbench.report.analysis.replicas import replicas_table
-from commbench.run.config import meta_values
+from commbench.run.config import MoeConfig, RunConfig, meta_values
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
@@ -116,9 +115,9 @@ def test_a_count_that_does_not_split_over_the_ranks_is_refused(tmp_path: Path, a
 
 
 def test_resume_tells_the_case_with_replicas_from_the_one_without() -> None:
-    inputs = MoeInputs("deepseek-v3", "hot:8:0.3", 64, 0, 0.0, None, "token", replicas=4)
-    settings = LaunchSettings(4, "gloo", 1, 2, 60.0, None, None, None, None, False, "checksum", None)
-    jobs = [moe_job(cfg, "token", settings) for cfg in replica_cases(build_routing_config(inputs, 4))]
+    inputs = MoeConfig("deepseek-v3", "hot:8:0.3", 64, replicas=4)
+    config = RunConfig.from_options("run", {"world_size": 4, "backend": "gloo", "warmup": 1, "iters": 2})
+    jobs = [moe_job(cfg, "token", config) for cfg in replica_cases(build_routing_config(inputs, 4))]
     assert [job.routing.replicas for job in jobs] == [0, 4]
     finished = pd.DataFrame(
         [

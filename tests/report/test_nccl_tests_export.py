@@ -9,9 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from commbench.cli.inputs import MoeInputs, build_routing_config
+from commbench.cli.inputs import build_routing_config
 from commbench.errors import UsageError
 from commbench.report.interop import nccl_tests_export as export
+from commbench.run.config import MoeConfig
 from commbench.traffic.pattern import Pattern, balanced_pattern, build_pattern
 
 
@@ -20,7 +21,7 @@ def small_pattern(tmp_path: Path, hidden: int, world: int = 4, tokens: int = 64)
     of 16; hidden 64: 128 B, a multiple)."""
     model = tmp_path / f"small-{hidden}.yaml"
     model.write_text(f"name: small\nhidden: {hidden}\nnum_experts: 8\ntopk: 2\ndispatch_dtype: bf16\n")
-    inputs = MoeInputs(str(model), "zipf:1.2", tokens, 0, 0.0, None, "token")
+    inputs = MoeConfig(str(model), "zipf:1.2", tokens)
     return build_pattern(build_routing_config(inputs, world, dry_run=False), "token")
 
 
