@@ -18,12 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -47,6 +44,7 @@ from commbench.run.liveness import (
     process_state,
     remove_scratch,
 )
+from commbench.run.outcomes import OutcomeReader, RankFailure, check_temp_dir, send_outcome
 
 # Seconds a spawned rank may take to start (interpreter + torch import) before the watchdog gives up on it.
 _STARTUP_BOUND_S = 120.0
@@ -112,19 +110,19 @@ def _worker(
     timeout_s: float,
     entry: Callable[..., Any],
     args: tuple[Any, ...],
-    outcome_dir: str,
+    outcome: Any,
     progress: Any,
     board: SharedBoard,
     launcher_pid: int,
     launch_id: str,
 ) -> None:
-    """One spawned rank: run entry and leave its outcome (result or exception) in a file for the launcher."""
+    """One spawned rank: run entry and send its outcome (result, or its error as data) to the launcher over
+    the pipe the launcher made for it (``outcome``, run.outcomes)."""
     name_process(f"commbench-r{rank}")
     die_with_parent(signal.SIGTERM)
 
     def clean_up_for_the_launcher() -> None:
-        if monitor.launcher_gone():  # nobody is left to remove the launch's files
-            shutil.rmtree(outcome_dir, ignore_errors=True)
+        if monitor.launcher_gone():  # nobody is left to remove the launch's scratch files
             remove_scratch(launch_id)
 
     monitor = RankMonitor.install(rank, parent_pid=launcher_pid, on_hard_exit=clean_up_for_the_launcher)
@@ -152,21 +150,20 @@ def _worker(
         if orphaned():  # the launcher died before PR_SET_PDEATHSIG was set
             os.kill(os.getpid(), signal.SIGTERM)
         comm = init_comm(backend, timeout_s, progress, board)
-        result = entry(comm, *args)
-        outcome: Outcome = ("ok", result if rank == 0 else None, "")
+        result, error, text = entry(comm, *args), None, ""
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher
-        outcome = ("error", exc, traceback.format_exc())
-    code = 0 if outcome[0] == "ok" else 1
+        result, error, text = None, exc, traceback.format_exc()
+    code = 0 if error is None else 1
     try:
-        with monitor.deferred():  # a signal now must not cut the outcome file
-            if isinstance(outcome[1], StoppedError):
-                code = outcome[1].exit_code
+        with monitor.deferred():  # a signal now must not cut the outcome short
+            if isinstance(error, StoppedError):
+                code = error.exit_code
             if orphaned():
                 clean_up_for_the_launcher()
             else:
-                _write_outcome(outcome_dir, rank, outcome)
+                send_outcome(outcome, rank, result if rank == 0 else None, error, text)
             if comm is not None:
-                shutdown_comm(comm, ok=outcome[0] == "ok" and not orphaned())
+                shutdown_comm(comm, ok=error is None and not orphaned())
     except BaseException:  # noqa: BLE001 - stopped while leaving: the outcome is written or moot
         pass
     # Everything is reported: skip interpreter teardown (slow with torch loaded, and after a failure
@@ -175,18 +172,6 @@ def _worker(
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
-
-
-def _write_outcome(outcome_dir: str, rank: int, outcome: Outcome) -> None:
-    path = os.path.join(outcome_dir, f"rank{rank}.pkl")
-    try:
-        payload = pickle.dumps(outcome)
-    except Exception:  # noqa: BLE001 - an unpicklable result or exception still reaches the parent as text
-        kind, value, text = outcome
-        payload = pickle.dumps((kind, RuntimeError(f"{type(value).__name__}: {value}"), text))
-    with open(path + ".tmp", "wb") as handle:
-        handle.write(payload)
-    os.replace(path + ".tmp", path)
 
 
 def spawn(
@@ -200,7 +185,9 @@ def spawn(
     progress = context.Array("d", world_size, lock=False)  # 0.0 = not started yet
     board = SharedBoard(world_size, context)
     launch_id = os.urandom(6).hex()
-    outcome_dir = tempfile.mkdtemp(prefix=f"commbench-launch-{launch_id}-")
+    check_temp_dir()  # the ranks' scratch files and multiprocessing's own live there
+    pipes = [context.Pipe(duplex=False) for _ in range(world_size)]  # (launcher's end, the rank's end)
+    readers = [OutcomeReader(receive) for receive, _ in pipes]
     port = free_port()
     processes = [
         context.Process(
@@ -213,7 +200,7 @@ def spawn(
                 timeout_s,
                 entry,
                 args,
-                outcome_dir,
+                pipes[rank][1],
                 progress,
                 board,
                 os.getpid(),
@@ -231,9 +218,11 @@ def spawn(
     liveness: Liveness = {}
     try:
         resource_tracker.ensure_running()  # started now: starting it later would unblock the stop signals
-        for process in processes:
+        for process, reader, (_, send) in zip(processes, readers, pipes, strict=True):
             with signals.blocked():
                 process.start()
+            send.close()  # the rank holds its own copy: EOF here once the rank is gone
+            reader.start()
             if signals.signum is not None:
                 break
         if signals.signum is None:
@@ -243,12 +232,11 @@ def spawn(
         else:
             liveness = _snapshot(processes, board)
             stopped = _stop(processes, liveness)
-        outcomes = _read_outcomes(outcome_dir, world_size)
     finally:
         _kill(processes)
         signals.restore()
-        shutil.rmtree(outcome_dir, ignore_errors=True)
         remove_scratch(launch_id)
+    outcomes = {rank: got for rank, reader in enumerate(readers) if (got := reader.finish()) is not None}
     if signals.signum is not None and not all(outcomes.get(r, ("",))[0] == "ok" for r in range(world_size)):
         raise StoppedError(
             signals.signum, f"stopped by {signal_name(signals.signum)}; all {world_size} ranks were stopped"
@@ -346,21 +334,6 @@ def _kill(processes: list[Any]) -> None:
             process.join(5.0)
 
 
-def _read_outcomes(outcome_dir: str, world_size: int) -> dict[int, Outcome]:
-    outcomes = {}
-    for rank in range(world_size):
-        path = os.path.join(outcome_dir, f"rank{rank}.pkl")
-        if os.path.exists(path):
-            with open(path, "rb") as handle:
-                try:
-                    # Not user input: written by this launch's own spawned ranks into the private (0700) dir
-                    # from mkdtemp, the same trust as multiprocessing's pickled arguments to those ranks.
-                    outcomes[rank] = pickle.load(handle)
-                except Exception as exc:  # noqa: BLE001 - e.g. an exception class that cannot be rebuilt
-                    outcomes[rank] = ("error", RuntimeError(f"unreadable error of rank {rank}: {exc}"), "")
-    return outcomes
-
-
 def _exit_description(code: int) -> str:
     return f"signal {signal_name(-code)}" if code < 0 else f"code {code}"
 
@@ -408,7 +381,8 @@ def launch_error(
     # 2. A bug in a rank: its traceback.
     for rank, (exc, text) in sorted(errors.items()):
         if not isinstance(exc, CommbenchError):
-            return RuntimeError(f"rank {rank} failed with {type(exc).__name__}: {exc}\n{text}")
+            kind = exc.type_name if isinstance(exc, RankFailure) else type(exc).__name__
+            return RuntimeError(f"rank {rank} failed with {kind}: {exc}\n{text}")
     # Ranks that stopped responding (SIGSTOP, stuck in the kernel, frozen) while their peers waited (step 4),
     # found first: step 3 needs them.
     now = time.time()
