@@ -176,6 +176,7 @@ def launch(
     ``soak_s``: run the jobs round after round for that many seconds (suite --soak).
     UsageError (one line, nothing launched or written) on bad input.
     """
+    from commbench.backends import get_backend
     from commbench.cli.acceptance import Acceptance, choose_report_spec
     from commbench.cli.worker import launch_worker
     from commbench.run import dist
@@ -282,7 +283,7 @@ def launch(
         tflops=settings.tflops,
     )
     try:
-        dist.launch(world, launch_worker, (plan,), backend, settings.timeout_s)
+        dist.launch(world, launch_worker, (plan,), get_backend(backend).process_group, settings.timeout_s)
     except BaseException as exc:
         # A launch that failed before rank 0 wrote anything leaves no empty report folder behind; one that
         # wrote rows leaves them, marked INCOMPLETE (here if rank 0 was killed before it could say so).
@@ -376,7 +377,7 @@ def _choose_backend(settings: LaunchSettings, option_pairs: Sequence[str]) -> tu
     the backend's own availability check, the device check, every knob setting's ``check_options``."""
     from commbench.backends import get_backend
     from commbench.backends.options import parse_option_sweep
-    from commbench.run.dist import resolve_backend
+    from commbench.run.dist import check_group_devices, resolve_backend
 
     if settings.backend != "auto":
         # The backend's own pre-launch check (nvshmem: "needs GPUs and NVSHMEM"), before the device count.
@@ -385,8 +386,9 @@ def _choose_backend(settings: LaunchSettings, option_pairs: Sequence[str]) -> tu
             check_available()
     backend, reason = resolve_backend(settings.backend, settings.world_size)
     backend_class = get_backend(backend)
+    check_group_devices(backend_class.process_group, settings.world_size, backend)  # nccl: a GPU per rank
     sweep = parse_option_sweep(backend, backend_class.OPTIONS, option_pairs)
-    fixed = _with_report_layout(sweep.fixed, settings) if backend == "sim" else sweep.fixed
+    fixed = _with_report_layout(sweep.fixed, settings) if backend_class.models_report_layout else sweep.fixed
     for setting in sweep.settings():  # a bad value in any setting of a sweep fails now, not in the ranks
         backend_class.check_options({**fixed, **setting}, world_size=settings.world_size)
     return backend, reason, replace(sweep, fixed=fixed)
@@ -410,7 +412,8 @@ def _judge(acceptance: Acceptance | None, error: BaseException | None) -> Any:
 
 
 def _with_report_layout(options: dict[str, Any], settings: LaunchSettings) -> dict[str, Any]:
-    """The sim backend models the report's system and layout, unless its own options say otherwise."""
+    """A backend that models the report's system and layout (``models_report_layout``: sim) gets them as
+    options, unless its own options say otherwise."""
     from commbench.inputs.specs import DEFAULT_SPEC_NAME
 
     # sim needs figures to model: with no --spec it models the catalogue's default system.

@@ -108,7 +108,7 @@ def _worker(
     rank: int,
     world_size: int,
     port: int,
-    backend: str,
+    process_group: str,
     timeout_s: float,
     entry: Callable[..., Any],
     args: tuple[Any, ...],
@@ -145,13 +145,13 @@ def _worker(
         warnings.simplefilter("ignore")
     # CPU ranks share this host's cores: no oversubscription by intra-op threads (each rank routes every
     # source rank's tokens); an explicit OMP_NUM_THREADS is the user's choice.
-    if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
+    if process_group == "gloo" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     comm = None
     try:
         if orphaned():  # the launcher died before PR_SET_PDEATHSIG was set
             os.kill(os.getpid(), signal.SIGTERM)
-        comm = init_comm(backend, timeout_s, progress, board)
+        comm = init_comm(process_group, timeout_s, progress, board)
         result = entry(comm, *args)
         outcome: Outcome = ("ok", result if rank == 0 else None, "")
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher
@@ -190,7 +190,7 @@ def _write_outcome(outcome_dir: str, rank: int, outcome: Outcome) -> None:
 
 
 def spawn(
-    world_size: int, entry: Callable[..., Any], args: tuple[Any, ...], backend: str, timeout_s: float
+    world_size: int, entry: Callable[..., Any], args: tuple[Any, ...], process_group: str, timeout_s: float
 ) -> Any:
     """Run ``entry(comm, *args)`` in ``world_size`` spawned local processes; rank 0's return value."""
     import multiprocessing
@@ -209,7 +209,7 @@ def spawn(
                 rank,
                 world_size,
                 port,
-                backend,
+                process_group,
                 timeout_s,
                 entry,
                 args,
