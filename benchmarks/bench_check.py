@@ -68,7 +68,7 @@ def main() -> None:
         args.world_size,
         entry,
         (args.tokens, size, args.warmup, args.iters, args.rounds),
-        backend="gloo",
+        process_group="gloo",
         timeout_s=600,
     )
     print(

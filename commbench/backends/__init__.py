@@ -12,6 +12,10 @@ imported when it is chosen (``get_backend``) or listed (``commbench backends``).
 import, or whose object is not such a class, never breaks commbench: it is listed as unavailable with the
 reason, and choosing it is one line, exit code 2. A plug-in whose name is a built-in's is refused (the
 built-in wins), and so is a second package registering a name already taken.
+
+A backend describes itself in its class's attributes (``run.interface.Backend``: process group, GPU fabric,
+one-sided, emulated, bandwidth vocabulary, kernel names, ...); the other stages read them through
+``get_backend`` or ``loaded_backends``, so adding a backend is its own file plus one line below.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ ENTRY_POINT_GROUP = "commbench.backends"
 # name -> "module:Class" of the backends shipped with commbench; "auto" is resolved by the CLI (nccl with
 # GPUs, gloo without). The adapters drive other libraries' dispatchers (commbench/backends/adapters/).
 BUILTIN_BACKENDS: dict[str, str] = {
-    "nccl": "commbench.backends.torchdist:TorchDistBackend",
-    "gloo": "commbench.backends.torchdist:TorchDistBackend",
+    "nccl": "commbench.backends.torchdist:NcclBackend",
+    "gloo": "commbench.backends.torchdist:GlooBackend",
     "mock": "commbench.backends.mock:MockBackend",
     "sim": "commbench.backends.sim:SimBackend",
     "shmem-emu": "commbench.backends.shmem.emu:ShmemEmuBackend",
@@ -113,6 +117,7 @@ def _resolve(target: str) -> Any:
 def not_a_backend(found: Any) -> str:
     """Why ``found`` cannot serve as a backend class, or "" when it can."""
     from commbench.backends.options import DeclaredOptions
+    from commbench.run.describe import PROCESS_GROUPS
     from commbench.run.interface import Backend
 
     if not isinstance(found, type):
@@ -126,6 +131,11 @@ def not_a_backend(found: Any) -> str:
         return (
             f"class {found.__qualname__} does not declare its options: subclass "
             "commbench.backends.options.DeclaredOptions too (OPTIONS = () for none)"
+        )
+    if found.process_group not in PROCESS_GROUPS:
+        return (
+            f"class {found.__qualname__} sets process_group = {found.process_group!r}; use one of: "
+            f"{', '.join(PROCESS_GROUPS)}"
         )
     if getattr(found, "__abstractmethods__", None):
         missing = ", ".join(sorted(found.__abstractmethods__))
@@ -159,32 +169,41 @@ def get_backend(name: str) -> type:
     return backend_class
 
 
+def loaded_backends() -> list[tuple[str, type]]:
+    """(name, class) of every registered backend whose class loads, in registry order (built-ins first):
+    what the report assembles from the backends' own descriptions (kernel names, bandwidth vocabularies).
+    One that does not load is left out (``commbench backends`` says why)."""
+    found = []
+    for name in ENTRIES:
+        backend_class, _ = load_backend(name)
+        if backend_class is not None:
+            found.append((name, backend_class))
+    return found
+
+
 def availability(name: str) -> tuple[bool, str]:
-    """(whether ``name`` can run on this host, why not): the class loads, and its ``check_available``
-    (a classmethod raising UsageError with the reason, e.g. "needs CUDA GPUs and deep_ep") passes. The
-    process-group backends have no such check: nccl needs CUDA devices and torch's NCCL, gloo torch's gloo."""
+    """(whether ``name`` can run on this host, why not): the class loads, its ``check_available`` (a
+    classmethod raising UsageError with the reason, e.g. "needs CUDA GPUs and deep_ep") passes, and this
+    host can form its ``process_group``: nccl needs CUDA devices and torch's NCCL, gloo torch's gloo."""
     backend_class, reason = load_backend(name)
     if backend_class is None:
         return False, reason
-    if name in ("nccl", "gloo"):
-        return _process_group_available(name)
     check = getattr(backend_class, "check_available", None)
-    if not callable(check):
-        return True, ""
     try:
-        check()
+        if callable(check):
+            check()
     except UsageError as exc:
         return False, " ".join(str(exc).split())
     except Exception as exc:  # noqa: BLE001 - a plug-in's check may fail any way: that is its answer
         return False, f"its availability check failed: {type(exc).__name__}: {' '.join(str(exc).split())}"
-    return True, ""
+    return _process_group_available(backend_class.process_group)
 
 
-def _process_group_available(name: str) -> tuple[bool, str]:
+def _process_group_available(process_group: str) -> tuple[bool, str]:
     import torch
     import torch.distributed as dist
 
-    if name == "gloo":
+    if process_group == "gloo":
         return (True, "") if dist.is_gloo_available() else (False, "this torch build has no gloo")
     if not dist.is_nccl_available():
         return False, "this torch build has no NCCL"

@@ -77,6 +77,7 @@ def _predict_cached(traffic: np.ndarray, fabric: Fabric) -> PhasePrediction:
 class SimBackend(DeclaredOptions, Backend):
     name = "sim"
     emulated = True
+    models_report_layout = True  # the launch hands it --spec and the layout overrides (cli.launch)
     moves_data = False  # hands back the expected rows: nothing to verify
 
     # The layout and the model knobs of commbench.fabric.model.FabricParams; None = the spec's value.

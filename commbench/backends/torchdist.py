@@ -4,6 +4,7 @@ Dispatch packs the token rows of the plan (index_select into a preallocated send
 combine sends the expert outputs back with the reverse splits and reduces them into token order with
 ``index_add_`` in float32. Buffers grow on the first (warm-up) call and are reused after, so timed
 iterations do not allocate; the harness poisons both receive buffers before each timed iteration.
+``NcclBackend`` and ``GlooBackend`` are this code on their process group, each describing itself.
 """
 
 from __future__ import annotations
@@ -15,19 +16,36 @@ import torch.distributed as dist
 
 from commbench.backends.base import CombineReduction, grown_buffer
 from commbench.backends.options import DeclaredOptions, checked_options
+from commbench.run.describe import COMMUNICATION, KernelPattern, kernel_names
 from commbench.run.interface import Backend
 from commbench.traffic.payload import poison_
 from commbench.traffic.plan import RankPlan
 
+# NCCL's kernels as CUPTI/Kineto name them (report.profiler.kernels): ncclDevKernel_<coll>... (2.19+:
+# SendRecv, AllReduce_Sum_f32_RING_LL, Generic, ...), ncclKernel_... (before 2.19), ncclSymDevKernel_...
+# (2.27 symmetric), ncclSymkDevKernel_...[_profile] (2.28+).
+NCCL_KERNELS = (
+    KernelPattern(
+        "nccl",
+        COMMUNICATION,
+        kernel_names(r"nccl(?:Dev|SymDev|SymkDev)?Kernel_\w+"),
+        "NVIDIA/nccl src/device/generate.py (ncclDevKernel_), src/device/symmetric/generate.py "
+        "(ncclSymDevKernel_, ncclSymkDevKernel_); NCCL_KERN_NAME in src/collectives/device/common.h of NCCL "
+        "before 2.19 (ncclKernel_)",
+    ),
+)
+
 
 class TorchDistBackend(DeclaredOptions, Backend):
-    name = "torchdist"  # replaced by the process group's backend ("nccl" or "gloo") per instance
+    """The all-to-all on the process group its ranks joined (the registered classes are below)."""
+
+    name = "torchdist"  # an instance is named after the process group it runs on (NcclBackend: "nccl")
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
         # nccl and gloo have no knobs: any option is a UsageError naming the process group.
-        self.options = checked_options(comm.backend, self.OPTIONS, self.options)
-        self.name = comm.backend  # type: ignore[misc] - the column shows which process group ran
+        self.options = checked_options(comm.process_group, self.OPTIONS, self.options)
+        self.name = comm.process_group  # type: ignore[misc] - the column shows which process group ran
         self._plan: RankPlan | None = None
         self._send_splits: list[int] = []
         self._send_buffer: torch.Tensor | None = None
@@ -110,3 +128,19 @@ class TorchDistBackend(DeclaredOptions, Backend):
             )
         with self.steps("weighted reduce"):
             return self._reduce(returned, plan.send_token_index, plan.combine_weight, plan.num_tokens)
+
+
+class NcclBackend(TorchDistBackend):
+    """``all_to_all_single`` on NCCL, one GPU per rank: GPU fabric figures, judged against the spec."""
+
+    name = "nccl"
+    process_group = "nccl"
+    gpu_fabric = True
+    kernel_patterns = NCCL_KERNELS
+
+
+class GlooBackend(TorchDistBackend):
+    """``all_to_all_single`` on gloo between CPU processes: this host's figures, bandwidth not judged."""
+
+    name = "gloo"
+    process_group = "gloo"

@@ -27,9 +27,6 @@ if TYPE_CHECKING:
     from commbench.run.config import AcceptanceConfig, RunOptions
     from commbench.run.jobs import Job
 
-# Backends whose figures are GPU fabric figures; on every other one (gloo, shmem-emu, mock, sim) bandwidth
-# is not judged: the verdict checks data, completion, the harness and the rank spread only.
-GPU_BACKENDS = ("nccl", "nvshmem")
 ARRIVAL_COLUMN = "arrival_us_p50"
 
 
@@ -74,10 +71,13 @@ class Acceptance:
 
 def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec, str, str | None]:
     """(the spec the report compares with, how it was chosen, the spec the verdict judges by). No --spec:
-    detected from the GPUs (``inputs.spec_choice``); no GPU or an unknown one: ``no_spec``, no %spec. A run
-    on a CPU backend never judges bandwidth, whatever --spec says (its figures are not a GPU fabric's)."""
+    detected from the GPUs (``inputs.spec_choice``); no GPU or an unknown one: ``no_spec``, no %spec. Only
+    a backend whose figures are a GPU fabric's (its class's ``gpu_fabric``: nccl, nvshmem, the dispatcher
+    adapters) is judged; on any other (gloo, shmem-emu, mock, sim) bandwidth is never judged, whatever --spec
+    says: the verdict checks data, completion, the harness and the rank spread only."""
     import torch
 
+    from commbench.backends import get_backend
     from commbench.hardware.probes import probe_gpus
     from commbench.inputs.spec_choice import choose_spec, facts_from_probe
     from commbench.inputs.specs import load_spec, no_spec
@@ -85,7 +85,7 @@ def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec,
     facts = facts_from_probe(probe_gpus(), torch.cuda.device_count())
     choice = choose_spec(facts, spec_text)
     spec = load_spec(choice.name) if choice.name else no_spec(choice.how)
-    if backend not in GPU_BACKENDS:
+    if not get_backend(backend).gpu_fabric:
         what = "" if choice.name is None else f"; the report compares with {choice.name} as a what-if"
         return spec, f"{backend} run on CPU: bandwidth not judged ({choice.how}){what}", None
     return spec, choice.how, choice.name

@@ -61,6 +61,7 @@ def launch(config: RunConfig, jobs: list[Job], plan: dict[str, Any], pairwise: b
     ``plan`` is what the command made of its options (sizes, repeats, a trace's source: meta.json's
     ``plan``). UsageError (one line, nothing launched or written) on bad input.
     """
+    from commbench.backends import get_backend
     from commbench.cli.acceptance import Acceptance, choose_report_spec
     from commbench.cli.worker import launch_worker
     from commbench.run import dist
@@ -109,7 +110,8 @@ def launch(config: RunConfig, jobs: list[Job], plan: dict[str, Any], pairwise: b
         bool(config.launch.resume), acceptance,
     )  # fmt: skip
     try:
-        dist.launch(world, launch_worker, (launch_plan,), backend, options.timeout_s)
+        process_group = get_backend(backend).process_group
+        dist.launch(world, launch_worker, (launch_plan,), process_group, options.timeout_s)
     except BaseException as exc:
         # A launch that failed before rank 0 wrote anything leaves no empty report folder behind; one that
         # wrote rows leaves them, marked INCOMPLETE (here if rank 0 was killed before it could say so).
@@ -188,7 +190,7 @@ def _choose_backend(config: RunConfig, cases: int) -> tuple[str, str, OptionSwee
     the backend's own availability check, the device check, every knob setting's ``check_options``."""
     from commbench.backends import get_backend
     from commbench.backends.options import parse_option_sweep
-    from commbench.run.dist import resolve_backend
+    from commbench.run.dist import check_group_devices, resolve_backend
 
     requested = config.harness.backend
     if requested != "auto":
@@ -197,13 +199,15 @@ def _choose_backend(config: RunConfig, cases: int) -> tuple[str, str, OptionSwee
         if callable(check_available):
             check_available()
     backend, reason = resolve_backend(requested, config.world_size)
-    if backend == "gloo" and not config.launch.allow_cpu:
+    backend_class = get_backend(backend)
+    # A real all-to-all on CPU ranks (gloo; not an emulation) on a host whose GPUs torch cannot use.
+    if not (backend_class.gpu_fabric or backend_class.emulated or config.launch.allow_cpu):
         from commbench.hardware.cuda_use import cuda_use
 
         found = cuda_use()
         if found.unusable:
             raise UsageError(f"{found.cause}; {found.fix}, or pass --allow-cpu to measure the CPUs anyway")
-    backend_class = get_backend(backend)
+    check_group_devices(backend_class.process_group, config.world_size, backend)  # nccl: a GPU per rank
     sweep = parse_option_sweep(backend, backend_class.OPTIONS, config.launch.backend_option)
     settings = math.prod(len(values) for values in sweep.swept.values())
     if settings > MAX_KNOB_SETTINGS or settings * max(cases, 1) > MAX_CASES:
@@ -211,7 +215,7 @@ def _choose_backend(config: RunConfig, cases: int) -> tuple[str, str, OptionSwee
             f"--backend-option sweeps {settings} knob settings x {cases} cases; at most {MAX_KNOB_SETTINGS} "
             f"settings and {MAX_CASES} cases in one launch: list fewer values"
         )
-    fixed = _with_report_layout(sweep.fixed, config) if backend == "sim" else sweep.fixed
+    fixed = _with_report_layout(sweep.fixed, config) if backend_class.models_report_layout else sweep.fixed
     for setting in sweep.settings():  # a bad value in any setting of a sweep fails now, not in the ranks
         backend_class.check_options({**fixed, **setting}, world_size=config.world_size)
     return backend, reason, replace(sweep, fixed=fixed)
@@ -228,7 +232,8 @@ def _judge(acceptance: Acceptance | None, error: BaseException | None) -> Any:
 
 
 def _with_report_layout(options: dict[str, Any], config: RunConfig) -> dict[str, Any]:
-    """The sim backend models the report's system and layout, unless its own options say otherwise."""
+    """A backend that models the report's system and layout (``models_report_layout``: sim) gets them as
+    options, unless its own options say otherwise."""
     from commbench.inputs.specs import DEFAULT_SPEC_NAME
 
     # sim needs figures to model: with no --spec it models the catalogue's default system.

@@ -63,8 +63,6 @@ SIMULATE_BYTES_PER_PAIR = 72
 # ... and per rank: its place in every world size's layout, its loads, peers and times ([rank, class, dir]):
 # measured 190 B with EP groups of 1.
 SIMULATE_BYTES_PER_RANK = 256
-# One-sided backends hold a second side of each receive buffer (double buffering): shmem-emu, nvshmem.
-ONE_SIDED_BACKENDS = ("shmem-emu", "nvshmem")
 
 
 @dataclass(frozen=True)
@@ -166,9 +164,9 @@ def balanced_rank_memory(sizes: list[int], world_size: int, iters: int, one_side
     return RankMemory(what, tables, buffers, _timings(iters, world_size), "--max-bytes", iters)
 
 
-def job_memory(job: Job, world_size: int, imbalance_cost: bool, backend: str) -> RankMemory:
-    """The estimate of one job (an MoeJob or a BalancedJob) for ``backend``."""
-    one_sided = backend in ONE_SIDED_BACKENDS
+def job_memory(job: Job, world_size: int, imbalance_cost: bool, one_sided: bool) -> RankMemory:
+    """The estimate of one job (an MoeJob or a BalancedJob); ``one_sided``: the backend's ``one_sided``
+    (a second side of each receive buffer and a staging buffer, nvshmem's and shmem-emu's heap)."""
     if job.kind == "balanced":
         return balanced_rank_memory(list(job.sizes), world_size, job.iters, one_sided)
     return moe_rank_memory(job.routing, job.send_mode, job.iters, imbalance_cost, one_sided)
@@ -278,16 +276,25 @@ def check_local_ranks(world_size: int) -> None:
         )
 
 
-def _resolved_backend(backend: str, world_size: int) -> tuple[str, bool]:
-    """(backend name, whether its buffers live on GPUs). A backend the launch will refuse (nccl without
-    GPUs) counts as on the host: the launch's own check gives the message."""
-    from commbench.run.dist import process_group_backend, resolve_backend
+def _resolved_backend(backend: str, world_size: int) -> tuple[bool, bool]:
+    """(whether the backend is one-sided, whether its buffers live on GPUs: its process group is nccl), from
+    its class. A backend the launch will refuse (nccl without GPUs, a class that does not load) counts as
+    on the host: the launch's own check gives the message."""
+    from commbench.backends import load_backend
+    from commbench.run.dist import check_group_devices, resolve_backend
 
     try:
         chosen = resolve_backend(backend, world_size)[0]
+        backend_class, _ = load_backend(chosen)
     except UsageError:
-        return backend, False
-    return chosen, process_group_backend(chosen) == "nccl"
+        return False, False
+    if backend_class is None:
+        return False, False
+    try:
+        check_group_devices(backend_class.process_group, world_size, chosen)
+    except UsageError:
+        return backend_class.one_sided, False
+    return backend_class.one_sided, backend_class.process_group == "nccl"
 
 
 def _dominant(memory: RankMemory, on_gpu: bool) -> tuple[str, str]:
@@ -310,9 +317,9 @@ def check_launch_fits(jobs: list[Job], world_size: int, backend: str, imbalance_
     check_local_ranks(world_size)
     if not jobs:
         return
-    name, on_gpu = _resolved_backend(backend, world_size)
+    one_sided, on_gpu = _resolved_backend(backend, world_size)
     local = local_ranks(world_size)
-    estimates = [job_memory(job, world_size, imbalance_cost, name) for job in jobs]
+    estimates = [job_memory(job, world_size, imbalance_cost, one_sided) for job in jobs]
 
     def host_per_rank(memory: RankMemory) -> int:
         return PROCESS_BYTES + memory.tables + memory.timings + (0 if on_gpu else memory.buffers)

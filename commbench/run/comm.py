@@ -22,13 +22,12 @@ import torch
 import torch.distributed as dist
 
 from commbench.errors import CommbenchError, CommError, UsageError
+from commbench.run.describe import PROCESS_GROUPS
 from commbench.run.heartbeats import Board, StoreBoard, beat_interval_s
 from commbench.run.launch_env import adopt_slurm_task, external_devices_fit, launcher, rank_device
 from commbench.run.liveness import RankMonitor, current_monitor
 from commbench.run.nccl_env import apply_nccl_error_env
 
-# Benchmark backends that run on an NCCL process group (one GPU per rank); every other one runs on gloo.
-_NCCL_BACKENDS = {"nccl", "nvshmem"}
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _TIMEOUT_WORDS = re.compile(r"timed out|timeout", re.IGNORECASE)
 # After a failure, how long rank 0 (holding the c10d store) waits for its live peers to leave first.
@@ -116,7 +115,7 @@ class Comm:
     world_size: int
     local_rank: int
     device: torch.device
-    backend: str  # process-group backend: "nccl" | "gloo"
+    process_group: str  # the torch.distributed backend of the group: "nccl" | "gloo" ("threads": run.threads)
     group: Any = None  # None = the default (world) group
     timeout_s: float = 300.0
     progress: Any = None  # shared per-rank progress array of spawned ranks (the launcher's hang watchdog)
@@ -162,7 +161,7 @@ class Comm:
 
     def barrier(self) -> None:
         with self.guard("barrier"):
-            if self.backend == "nccl":
+            if self.process_group == "nccl":
                 dist.barrier(group=self.group, device_ids=[self.device.index])
             else:
                 dist.barrier(group=self.group)
@@ -236,22 +235,10 @@ def _local_world_size(world_size: int) -> int:
         raise UsageError(f"torchrun's LOCAL_WORLD_SIZE is not an integer: {exc}") from exc
 
 
-def use_nccl_group(backend: str) -> None:
-    """Put ``backend``'s ranks on NCCL with one GPU each (a dispatcher adapter, when its class loads)."""
-    _NCCL_BACKENDS.add(backend)
-
-
-def process_group_backend(backend: str) -> str:
-    """The torch.distributed process group a benchmark backend runs on: nccl for nccl and nvshmem (GPUs),
-    gloo for the others (CPU processes)."""
-    return "nccl" if backend in _NCCL_BACKENDS else "gloo"
-
-
 def resolve_backend(backend: str, world_size: int) -> tuple[str, str]:
-    """(benchmark backend, why) for ``world_size`` ranks. auto = nccl with a CUDA device per rank (any
-    under torchrun or srun), else gloo. nccl and nvshmem need a CUDA device per rank: spawned ranks one each
-    on this host, torchrun/srun ranks one per local rank or exactly one visible to each task (per-task
-    binding, ``run.launch_env.rank_device``); UsageError otherwise."""
+    """(benchmark backend, why) for ``world_size`` ranks: ``backend`` as requested, or for "auto" nccl
+    with a CUDA device per rank (any under torchrun or srun), else gloo. The devices the chosen backend's
+    process group needs are ``check_group_devices``'s to check."""
     devices = torch.cuda.device_count()
     external = running_under_torchrun()
     if backend != "auto":
@@ -264,22 +251,44 @@ def resolve_backend(backend: str, world_size: int) -> tuple[str, str]:
     else:
         chosen = "gloo"
         reason = f"auto: {devices} CUDA device(s) for {world_size} ranks -> gloo (CPU processes)"
-    local = _local_world_size(world_size)
-    fits = external_devices_fit(local, devices) if external else devices >= local
-    if chosen in _NCCL_BACKENDS and not fits:
-        per_task = " (one per local rank, or exactly 1 per task)" if external else ""
-        raise UsageError(
-            f"backend {chosen} needs {local} CUDA device(s) on this host{per_task}, found {devices}; use "
-            "--backend gloo (CPU) or fewer ranks"
-        )
     return chosen, reason
 
 
+def check_group_devices(process_group: str, world_size: int, backend: str = "") -> None:
+    """UsageError unless this host can hold its ranks of a ``process_group`` group of ``world_size``
+    ranks (``backend``, the benchmark backend, names it in the message; default: the group). nccl needs a
+    CUDA device per rank: spawned ranks one each on this host, torchrun/srun ranks one per local rank or
+    exactly one visible to each task (per-task binding, ``run.launch_env.rank_device``); gloo nothing."""
+    if process_group not in PROCESS_GROUPS:
+        raise UsageError(f"unknown process group {process_group!r}; use one of: {', '.join(PROCESS_GROUPS)}")
+    if process_group != "nccl":
+        return
+    devices = torch.cuda.device_count()
+    external = running_under_torchrun()
+    local = _local_world_size(world_size)
+    fits = external_devices_fit(local, devices) if external else devices >= local
+    if not fits:
+        per_task = " (one per local rank, or exactly 1 per task)" if external else ""
+        raise UsageError(
+            f"backend {backend or process_group} needs {local} CUDA device(s) on this host{per_task}, found "
+            f"{devices}; use --backend gloo (CPU) or fewer ranks"
+        )
+
+
+def resolve_group(process_group: str, world_size: int) -> str:
+    """The process group a launch of ``world_size`` ranks joins: ``process_group`` ("nccl" or "gloo"), or
+    for "auto" nccl with a CUDA device per rank, else gloo; UsageError when this host cannot hold it."""
+    group = resolve_backend(process_group, world_size)[0] if process_group == "auto" else process_group
+    check_group_devices(group, world_size)
+    return group
+
+
 def init_comm(
-    backend: str = "auto", timeout_s: float = 300.0, progress: Any = None, board: Board | None = None
+    process_group: str = "auto", timeout_s: float = 300.0, progress: Any = None, board: Board | None = None
 ) -> Comm:
-    """Join the process group described by torchrun's env:// variables (RANK, WORLD_SIZE, ...): the one
-    ``backend`` (a benchmark backend name, "auto", or a process group name) runs on.
+    """Join the process group described by torchrun's env:// variables (RANK, WORLD_SIZE, ...):
+    ``process_group`` is "nccl", "gloo" or "auto" (``resolve_group``), the benchmark backend's
+    ``Backend.process_group``.
 
     With a ``RankMonitor`` installed in this process, it publishes heartbeats on ``board`` (spawned ranks'
     shared memory) or else, once the group is up, in the group's c10d store."""
@@ -293,9 +302,9 @@ def init_comm(
         ) from exc
     if timeout_s <= 0:
         raise UsageError(f"timeout must be positive, got {timeout_s} s")
-    backend = process_group_backend(resolve_backend(backend, world_size)[0])
+    group = resolve_group(process_group, world_size)
     group_timeout_s = float(timeout_s)
-    if backend == "nccl":
+    if group == "nccl":
         # One device per local rank, or the one device a per-task binding shows (srun --gpus-per-task=1).
         local_world_size = _local_world_size(world_size)
         device = torch.device("cuda", rank_device(local_rank, local_world_size, torch.cuda.device_count()))
@@ -313,17 +322,17 @@ def init_comm(
         progress = [0.0] * world_size
         monitor.watch_progress(hang_bound_s(timeout_s), float(timeout_s), progress)
     comm = Comm(
-        rank, world_size, local_rank, device, backend, None, float(timeout_s), progress, liveness=monitor
+        rank, world_size, local_rank, device, group, None, float(timeout_s), progress, liveness=monitor
     )
     comm.heartbeat()
-    with comm.guard(f"init_process_group({backend})"):
+    with comm.guard(f"init_process_group({group})"):
         dist.init_process_group(
-            backend,
+            group,
             init_method="env://",
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=group_timeout_s),
-            **({"device_id": device} if backend == "nccl" else {}),
+            **({"device_id": device} if group == "nccl" else {}),
         )
     if monitor is not None and monitor.board is None and world_size > 1:
         store = StoreBoard(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size)
@@ -349,7 +358,7 @@ def shutdown_comm(comm: Comm, ok: bool = True) -> None:
         elif comm.rank == 0:
             with contextlib.suppress(Exception):  # the store object outlives the group while held here
                 store = dist.distributed_c10d._get_default_store()
-        if ok or comm.backend == "gloo":
+        if ok or comm.process_group == "gloo":
             dist.destroy_process_group()
     if not ok and monitor is not None and not dist.is_initialized():  # peers released: they can read now
         monitor.linger_for_peers(LINGER_S)

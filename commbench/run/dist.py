@@ -21,15 +21,15 @@ from commbench.run.comm import (
     CpuTimer,
     CudaTimer,
     Timer,
+    check_group_devices,
     hang_bound_s,
     init_comm,
     is_rank0_process,
-    process_group_backend,
     resolve_backend,
+    resolve_group,
     resolve_world_size,
     running_under_torchrun,
     shutdown_comm,
-    use_nccl_group,
 )
 from commbench.run.launcher import free_port, launch_error, spawn
 from commbench.run.liveness import RankMonitor
@@ -39,18 +39,18 @@ __all__ = [
     "CpuTimer",
     "CudaTimer",
     "Timer",
+    "check_group_devices",
     "free_port",
     "hang_bound_s",
     "init_comm",
     "is_rank0_process",
     "launch",
     "launch_error",
-    "process_group_backend",
     "resolve_backend",
+    "resolve_group",
     "resolve_world_size",
     "running_under_torchrun",
     "shutdown_comm",
-    "use_nccl_group",
 ]
 
 
@@ -58,27 +58,30 @@ def launch(
     world_size: int | None,
     entry: Callable[..., Any],
     args: Sequence[Any] = (),
-    backend: str = "auto",
+    process_group: str = "auto",
     timeout_s: float = 300.0,
 ) -> Any:
     """Run ``entry(comm, *args)`` on every rank; returns rank 0's return value.
 
-    ``backend`` is a benchmark backend name (the process group it needs: ``process_group_backend``), "auto"
-    or a process group name. Under torchrun (env:// variables set) this process is one rank. Otherwise
-    ``world_size`` local processes are spawned (``entry`` must be a picklable top-level function); an
-    exception of type CommbenchError in a rank is re-raised here with its class and message, a dead or hung
-    rank stops all and raises CommError, a stop signal raises StoppedError.
+    ``process_group`` is the group the ranks join: "nccl" (one GPU per rank), "gloo" or "auto"
+    (``resolve_group``); a benchmark backend's is its class's ``process_group``. Under torchrun (env://
+    variables set) this process is one rank. Otherwise ``world_size`` local processes are spawned (``entry``
+    must be a picklable top-level function); an exception of type CommbenchError in a rank is re-raised here
+    with its class and message, a dead or hung rank stops all and raises CommError, a stop signal raises
+    StoppedError.
     """
     world_size = resolve_world_size(world_size)
     if running_under_torchrun():
-        return _run_this_rank(entry, tuple(args), backend, timeout_s)
+        return _run_this_rank(entry, tuple(args), process_group, timeout_s)
     if timeout_s <= 0:
         raise UsageError(f"timeout must be positive, got {timeout_s} s")
-    group = process_group_backend(resolve_backend(backend, world_size)[0])
+    group = resolve_group(process_group, world_size)
     return spawn(world_size, entry, tuple(args), group, float(timeout_s))
 
 
-def _run_this_rank(entry: Callable[..., Any], args: tuple[Any, ...], backend: str, timeout_s: float) -> Any:
+def _run_this_rank(
+    entry: Callable[..., Any], args: tuple[Any, ...], process_group: str, timeout_s: float
+) -> Any:
     """This process is one rank of a torchrun/Slurm launch: heartbeats and stop signals while entry runs."""
     monitor = None
     if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
@@ -87,7 +90,7 @@ def _run_this_rank(entry: Callable[..., Any], args: tuple[Any, ...], backend: st
     comm = None
     ok = False
     try:
-        comm = init_comm(backend, timeout_s)
+        comm = init_comm(process_group, timeout_s)
         result = entry(comm, *args)
         ok = True
         return result

@@ -9,6 +9,12 @@ Verification covers every timed iteration: before each one (outside the timer, b
 starts it) the harness calls ``poison_receive_buffers``, so a call that silently moves nothing leaves a
 sentinel (``traffic.payload.poison_``) rather than the previous iteration's correct bytes. A backend that
 moves no data (``moves_data = False``: mock, sim) is not verified; its rows say #wrong n/a.
+
+A backend also describes itself in class attributes (defaults below, the one place they are set): the
+process group its ranks join, whether its figures are a GPU fabric's, whether it is one-sided, emulated or
+moves data, its library's bandwidth vocabulary, its kernels' names, whether it models the report's layout.
+The other stages read these from the class (``backends.get_backend``), never from a list of names, so a new
+backend is its own file plus one registry line.
 """
 
 from __future__ import annotations
@@ -19,16 +25,35 @@ from typing import Any, ClassVar
 
 import torch
 
+from commbench.run.describe import KernelPattern, LibraryBandwidth
 from commbench.run.steps import NO_STEPS
 from commbench.traffic.plan import RankPlan
 
 
 class Backend(abc.ABC):
     name: ClassVar[str] = ""
+    # The torch.distributed process group its ranks join (run.describe.PROCESS_GROUPS): "nccl" = one GPU per
+    # rank (nccl, nvshmem, the dispatcher adapters; their buffers live on the GPUs), "gloo" = CPU processes.
+    process_group: ClassVar[str] = "gloo"
+    # True where its figures are a GPU fabric's (nccl, nvshmem, the adapters): the verdict judges their
+    # bandwidth against the spec. False (gloo, mock, sim, shmem-emu): bandwidth is not judged.
+    gpu_fabric: ClassVar[bool] = False
+    # True for one-sided (put) backends: each receive buffer has a second side on a symmetric heap (double
+    # buffering) plus a staging buffer, which the launch's memory estimate counts (nvshmem, shmem-emu).
+    one_sided: ClassVar[bool] = False
     # True where timings are not measured on real hardware (mock, sim, shmem-emu): reports label them.
     emulated: ClassVar[bool] = False
     # False where nothing is transferred (mock, sim hand back the expected rows): no verification, #wrong n/a.
     moves_data: ClassVar[bool] = True
+    # True where the backend models the report's system and layout (sim): the launch hands it --spec and the
+    # layout overrides as its own options, unless they are given as --backend-option.
+    models_report_layout: ClassVar[bool] = False
+    # How its library defines the bandwidth it prints, for the report's "as the library prints it" figure
+    # (report.interop.vocabulary); () = only commbench's algbw/busbw.
+    bandwidth_vocabulary: ClassVar[tuple[LibraryBandwidth, ...]] = ()
+    # The names of the GPU kernels it launches, communication or compute (report.profiler.kernels assembles
+    # every registered backend's); () = none of its own.
+    kernel_patterns: ClassVar[tuple[KernelPattern, ...]] = ()
     # The profiler's recorder (run.steps): a backend marks the parts of its calls with
     # ``with self.steps("pack"):``; the harness sets a StepRecorder under --profile, else it costs nothing.
     steps: Any = NO_STEPS

@@ -54,7 +54,7 @@ _FAILURE_GRACE_S = 1.0
 LAUNCHER_GRACE_S = 2 * STOP_GRACE_S + 1.0
 _POLL_S = 0.05
 
-Outcome = tuple[str, Any, str]  # ("ok", result, "") | ("error", exception, traceback text)
+Outcome = tuple[str, Any, str]  # ("ok", result, "") | ("error", exception, traceback text): run.outcomes
 Liveness = dict[int, tuple[str | None, Beat | None]]  # rank -> (process state, last beat) when the run ended
 
 
@@ -106,7 +106,7 @@ def _worker(
     rank: int,
     world_size: int,
     port: int,
-    backend: str,
+    process_group: str,
     timeout_s: float,
     entry: Callable[..., Any],
     args: tuple[Any, ...],
@@ -143,13 +143,13 @@ def _worker(
         warnings.simplefilter("ignore")
     # CPU ranks share this host's cores: no oversubscription by intra-op threads (each rank routes every
     # source rank's tokens); an explicit OMP_NUM_THREADS is the user's choice.
-    if backend == "gloo" and "OMP_NUM_THREADS" not in os.environ:
+    if process_group == "gloo" and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     comm = None
     try:
         if orphaned():  # the launcher died before PR_SET_PDEATHSIG was set
             os.kill(os.getpid(), signal.SIGTERM)
-        comm = init_comm(backend, timeout_s, progress, board)
+        comm = init_comm(process_group, timeout_s, progress, board)
         result, error, text = entry(comm, *args), None, ""
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the launcher
         result, error, text = None, exc, traceback.format_exc()
@@ -175,7 +175,7 @@ def _worker(
 
 
 def spawn(
-    world_size: int, entry: Callable[..., Any], args: tuple[Any, ...], backend: str, timeout_s: float
+    world_size: int, entry: Callable[..., Any], args: tuple[Any, ...], process_group: str, timeout_s: float
 ) -> Any:
     """Run ``entry(comm, *args)`` in ``world_size`` spawned local processes; rank 0's return value."""
     import multiprocessing
@@ -196,7 +196,7 @@ def spawn(
                 rank,
                 world_size,
                 port,
-                backend,
+                process_group,
                 timeout_s,
                 entry,
                 args,

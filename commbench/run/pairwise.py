@@ -160,7 +160,7 @@ class _PairExchange:
         if not delayed or self.delay_s <= 0 or not sends:
             works = dist.batch_isend_irecv(receive_ops + send_ops) if send_ops or receive_ops else []
             return works[: len(receive_ops)], works[len(receive_ops) :], None
-        if self.comm.backend == "nccl":  # one group: the delay holds the whole window (module docstring)
+        if self.comm.process_group == "nccl":  # one group: the delay holds the whole window (module doc)
             time.sleep(self.delay_s * sends)
             works = dist.batch_isend_irecv(receive_ops + send_ops)
             return works[: len(receive_ops)], works[len(receive_ops) :], None

@@ -81,7 +81,8 @@ class _Hub:
 
 @dataclass
 class ThreadComm(Comm):
-    """A rank that is a thread of this process (backend name "threads"); collectives are object-level only."""
+    """A rank that is a thread of this process (process group "threads"); collectives are object-level
+    only."""
 
     hub: Any = None
 

@@ -42,7 +42,7 @@ def routing(rank):
 def run_mode(comm, send_mode):
     plans = [plan_rank(routing(src), MODEL, comm.world_size, send_mode) for src in range(comm.world_size)]
     plan = plans[comm.rank]
-    backend = get_backend(comm.backend)(comm, {})
+    backend = get_backend(comm.process_group)(comm, {})
     assert isinstance(backend, TorchDistBackend) and backend.name == "gloo" and not backend.emulated
     backend.setup(plan)
     tokens = encode_rows(comm.rank, torch.arange(plan.num_tokens), plan.dispatch_row_bytes)
@@ -75,7 +75,7 @@ def backend_entry(comm, send_modes):
 @pytest.fixture(scope="module")
 def gloo_outcomes():
     """One launch of 3 gloo ranks for both send modes (spawning costs seconds)."""
-    return launch(3, backend_entry, (("token", "selection"),), backend="gloo", timeout_s=60)
+    return launch(3, backend_entry, (("token", "selection"),), process_group="gloo", timeout_s=60)
 
 
 @pytest.mark.parametrize("send_mode", ["token", "selection"])
@@ -97,7 +97,7 @@ def test_gloo_dispatch_and_combine_with_uneven_and_zero_splits(gloo_outcomes, se
 
 
 def test_options_are_rejected():
-    comm = SimpleNamespace(backend="gloo", device=torch.device("cpu"))
+    comm = SimpleNamespace(process_group="gloo", device=torch.device("cpu"))
     with pytest.raises(UsageError, match="takes no options"):
         TorchDistBackend(comm, {"chunk_bytes": 1})
     assert TorchDistBackend(comm, {}).label == "gloo"

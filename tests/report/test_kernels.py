@@ -1,4 +1,5 @@
-"""The kernel registry: every entry matches its libraries' real kernel names and none of their look-alikes."""
+"""The kernel registry, assembled from the backends' own kernel names: every entry matches its libraries' real
+kernel names and none of their look-alikes."""
 
 from __future__ import annotations
 
@@ -7,22 +8,26 @@ from pathlib import Path
 
 import pytest
 
+from commbench.backends.shmem.nvshmem import TRITON_KERNELS
 from commbench.report.profiler.kernels import (
-    COMMBENCH_TRITON_KERNELS,
     COMMUNICATION,
     COMPUTE,
-    REGISTRY,
     UNMATCHED_LIBRARY,
     classify_event,
     classify_kernel,
     communication_libraries,
     is_peer_copy,
+    kernel_registry,
 )
 
+REGISTRY = kernel_registry()
+
 # Demangled names as CUPTI/Kineto report them, written from the kernels' declarations in each library's
-# source (see each entry's ``source``), per registry entry (by position).
+# source (see each entry's ``source``), per registry entry (by position: compute carve-outs first, each kind
+# in the order of the backend registry: nccl, nvshmem, deep-ep, pplx).
 REAL_NAMES: dict[int, list[str]] = {
-    0: [  # deepep compute
+    0: ["void nvshmemi_init_array_kernel<long>(long*, int, long)"],  # nvshmem compute
+    1: [  # deepep compute
         "void deep_ep::layout::get_dispatch_layout<256, 32, 8>(long const*, int*, int*, int*, bool*, int, "
         "int, int, int)",
         "void deep_ep::legacy::layout::get_dispatch_layout<256, 32, 8>(long const*, int*, int*, int*, bool*, "
@@ -34,7 +39,6 @@ REAL_NAMES: dict[int, list[str]] = {
         "int*, int*, int, int, int, int, int)",
         "void deep_ep::elastic::combine_reduce_epilogue_impl<false, 24, 8, 7168>(__nv_bfloat16*, int)",
     ],
-    1: ["void nvshmemi_init_array_kernel<long>(long*, int, long)"],  # nvshmem compute
     2: [  # nccl
         "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
         "ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
@@ -62,7 +66,7 @@ REAL_NAMES: dict[int, list[str]] = {
         "void nvshmemi_reduce_kernel<int, (rdxn_ops)4>(int, int, int, int*, int const*, unsigned long, int*, "
         "long volatile*, long volatile*)",
     ],
-    4: list(COMMBENCH_TRITON_KERNELS),  # commbench (Triton names kernels without parameters)
+    4: list(TRITON_KERNELS),  # commbench (Triton names kernels without parameters)
     5: [  # torch symmetric memory
         "c10d::nvshmem_extension::allToAllV(void*, void*, long*, unsigned long, int)",
         "c10d::nvshmem_extension::allToAllV_2d(void*, void*, long*, long*, unsigned long, int, int, long, "
@@ -170,7 +174,7 @@ def test_commbench_names_are_the_triton_kernels_of_the_nvshmem_backend():
         for node in ast.walk(tree)
         if isinstance(node, ast.FunctionDef) and any(is_triton_jit(d) for d in node.decorator_list)
     }
-    assert jitted == set(COMMBENCH_TRITON_KERNELS)
+    assert jitted == set(TRITON_KERNELS)
 
 
 @pytest.mark.parametrize(

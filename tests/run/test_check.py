@@ -116,7 +116,7 @@ def emu_entry(comm) -> dict:
 def outcomes(request) -> tuple[str, dict]:
     """One launch of 2 ranks per backend runs every scenario (spawning costs seconds)."""
     entry = gloo_entry if request.param == "gloo" else emu_entry
-    return request.param, launch(2, entry, (), backend=request.param, timeout_s=60)
+    return request.param, launch(2, entry, (), process_group="gloo", timeout_s=60)  # both on gloo
 
 
 def test_poison_fills_what_the_last_call_returned(outcomes):
@@ -190,7 +190,7 @@ def gpu_entry(comm) -> dict:
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
 def test_gpu_faults_are_caught_and_receive_buffers_poisoned():
     world = min(2, torch.cuda.device_count())
-    results = launch(world, gpu_entry, (), backend="nccl", timeout_s=120)
+    results = launch(world, gpu_entry, (), process_group="nccl", timeout_s=120)
     assert results["poison"] == (True, True)
     for mode in CHECK_MODES:
         message, rows = results[mode, "clean"]

@@ -11,12 +11,13 @@ import torch
 from commbench.errors import CommError, UsageError, VerificationError
 from commbench.run.dist import (
     CpuTimer,
+    check_group_devices,
     free_port,
     hang_bound_s,
     is_rank0_process,
     launch,
-    process_group_backend,
     resolve_backend,
+    resolve_group,
     resolve_world_size,
 )
 from commbench.run.launcher import launch_error as _launch_error
@@ -40,7 +41,7 @@ def gather_entry(comm, tag):
 
 
 def test_launch_runs_every_rank_and_returns_rank0_result(capfd):
-    result = launch(2, gather_entry, ("x",), backend="gloo", timeout_s=30)
+    result = launch(2, gather_entry, ("x",), process_group="gloo", timeout_s=30)
     assert result["gathered"] == [{"rank": r, "tag": "x"} for r in range(2)]
     assert result["gather"] == [0, 10]
     assert result["world"] == 2 and result["device"] == "cpu"
@@ -57,7 +58,7 @@ def raising_entry(comm):
 
 def test_rank_error_reaches_parent_with_class_and_message():
     with pytest.raises(UsageError, match="^rank one rejects the input$"):
-        launch(2, raising_entry, (), backend="gloo", timeout_s=20)
+        launch(2, raising_entry, (), process_group="gloo", timeout_s=20)
 
 
 def killed_entry(comm):
@@ -70,7 +71,7 @@ def killed_entry(comm):
 
 def test_killed_rank_stops_the_launch_with_comm_error():
     with pytest.raises(CommError, match="rank 1 exited with signal SIGKILL.*other ranks were stopped"):
-        launch(2, killed_entry, (), backend="gloo", timeout_s=5)
+        launch(2, killed_entry, (), process_group="gloo", timeout_s=5)
 
 
 def slow_peer_entry(comm):
@@ -83,7 +84,7 @@ def test_collective_timeout_names_rank_operation_and_the_busy_peer():
     # Rank 1 is alive (its heartbeat is fresh) but outside any collective: named as what rank 0 waited for.
     match = r"^rank 0: barrier timed out after 1.5 s waiting for rank 1 \(host .*, pid \d+, cpu\) is alive"
     with pytest.raises(CommError, match=match):
-        launch(2, slow_peer_entry, (), backend="gloo", timeout_s=1.5)
+        launch(2, slow_peer_entry, (), process_group="gloo", timeout_s=1.5)
 
 
 def hang_entry(comm):
@@ -92,7 +93,7 @@ def hang_entry(comm):
 
 def test_watchdog_stops_ranks_that_make_no_progress():
     with pytest.raises(CommError, match="made no progress"):
-        launch(2, hang_entry, (), backend="gloo", timeout_s=1)
+        launch(2, hang_entry, (), process_group="gloo", timeout_s=1)
 
 
 def single_entry(comm, value):
@@ -106,22 +107,22 @@ def test_torchrun_environment_runs_in_process(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    assert launch(None, single_entry, (7,), backend="gloo", timeout_s=30) == (0, 1, 7)
+    assert launch(None, single_entry, (7,), process_group="gloo", timeout_s=30) == (0, 1, 7)
     assert not torch.distributed.is_initialized()
     with pytest.raises(UsageError, match="WORLD_SIZE=1"):
-        launch(4, single_entry, (7,), backend="gloo", timeout_s=30)
+        launch(4, single_entry, (7,), process_group="gloo", timeout_s=30)
 
 
 def test_bad_launch_arguments(monkeypatch):
     for name in TORCHRUN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(UsageError, match="world-size"):
-        launch(None, single_entry, (1,), backend="gloo")
+        launch(None, single_entry, (1,), process_group="gloo")
     if torch.cuda.device_count() < 64:
         with pytest.raises(UsageError, match="backend nccl needs 64 CUDA device"):
-            launch(64, single_entry, (1,), backend="nccl")
+            launch(64, single_entry, (1,), process_group="nccl")
     with pytest.raises(UsageError, match="timeout"):
-        launch(2, single_entry, (1,), backend="gloo", timeout_s=0)
+        launch(2, single_entry, (1,), process_group="gloo", timeout_s=0)
 
 
 def test_world_size_and_backend_resolution(monkeypatch):
@@ -138,16 +139,18 @@ def test_world_size_and_backend_resolution(monkeypatch):
         "auto: 0 CUDA device(s) for 4 ranks -> gloo (CPU processes)",
     )
     assert resolve_backend("shmem-emu", 4) == ("shmem-emu", "shmem-emu (as requested)")
+    assert resolve_backend("nvshmem", 4) == ("nvshmem", "nvshmem (as requested)")  # its group is checked
     with pytest.raises(UsageError, match="backend nvshmem needs 4 CUDA device"):
-        resolve_backend("nvshmem", 4)
+        check_group_devices("nccl", 4, "nvshmem")
+    check_group_devices("gloo", 4, "shmem-emu")  # CPU processes: nothing to check
+    with pytest.raises(UsageError, match="unknown process group 'sim'; use one of: nccl, gloo"):
+        check_group_devices("sim", 4)
+    assert resolve_group("auto", 4) == "gloo"
     devices["count"] = 4
     assert resolve_backend("auto", 4)[0] == "nccl" and resolve_backend("auto", 8)[0] == "gloo"
-    assert [process_group_backend(name) for name in ("nccl", "nvshmem", "gloo", "sim")] == [
-        "nccl",
-        "nccl",
+    assert (resolve_group("auto", 4), resolve_group("nccl", 4), resolve_group("gloo", 8)) == ("nccl",) * 2 + (
         "gloo",
-        "gloo",
-    ]
+    )
     # Under torchrun: its WORLD_SIZE; auto = nccl with any local device; a device per local rank needed.
     for name, value in (("RANK", "1"), ("WORLD_SIZE", "16"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "1")):
         monkeypatch.setenv(name, value)
@@ -155,10 +158,12 @@ def test_world_size_and_backend_resolution(monkeypatch):
     assert not is_rank0_process() and resolve_world_size(None) == 16
     with pytest.raises(UsageError, match="differs from torchrun's WORLD_SIZE=16"):
         resolve_world_size(4)
+    assert resolve_backend("auto", 16)[0] == "nccl"
     with pytest.raises(UsageError, match="backend nccl needs 8 CUDA device"):
-        resolve_backend("auto", 16)
+        resolve_group("auto", 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert resolve_backend("auto", 16) == ("nccl", "auto: torchrun with 4 local CUDA device(s) -> nccl")
+    assert resolve_group("auto", 16) == "nccl"
 
 
 def test_launch_error_prefers_the_root_cause():

@@ -258,7 +258,7 @@ def test_gloo_world2_moe_and_balanced_verified_and_match_patterns_and_corruption
     ]
     corrupt_job = moe_job(SMALL, 2, 32, name="corrupted")
     rows, rank_rows, calls, detected, _ = launch(
-        2, collecting_entry, (jobs, RunOptions("gloo"), corrupt_job), backend="gloo", timeout_s=60
+        2, collecting_entry, (jobs, RunOptions("gloo"), corrupt_job), process_group="gloo", timeout_s=60
     )
     check_common(rows)
     # Discovered layout on one CPU host: one NVLink domain, every link byte is NVLink, none scale-out.
@@ -355,7 +355,9 @@ def test_gloo_world4_moves_the_printed_pattern_link_classes_and_imbalance_cost()
         moe_job(SMALL, 4, 64, skew="zipf:1.2", send_mode="selection"),
     ]
     opts = RunOptions("gloo", ranks_per_domain=2, imbalance_cost=True)
-    rows, rank_rows, calls, _, moved = launch(4, collecting_entry, (jobs, opts), backend="gloo", timeout_s=60)
+    rows, rank_rows, calls, _, moved = launch(
+        4, collecting_entry, (jobs, opts), process_group="gloo", timeout_s=60
+    )
     check_common(rows, imbalance_cost=True)
     assert len(rows) == 4 and len(rank_rows) == 16 and len(calls) == 4
     for job in jobs:
@@ -395,7 +397,7 @@ def test_nccl_moe_and_balanced_verified_on_gpus():
         BalancedJob("balanced", [1 << 10, 1 << 24], warmup=2, iters=5),
     ]
     rows, rank_rows, _, _, _ = launch(
-        world, collecting_entry, (jobs, RunOptions("nccl")), backend="nccl", timeout_s=120
+        world, collecting_entry, (jobs, RunOptions("nccl")), process_group="nccl", timeout_s=120
     )
     assert [r["wrong"] for r in rows] == [0] * 6
     assert all(r["backend"] == "nccl" and 0 < r["time_us_min"] <= r["time_us_p99"] for r in rows)

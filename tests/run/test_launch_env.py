@@ -10,7 +10,7 @@ import torch
 
 from commbench.errors import UsageError
 from commbench.run import launch_env
-from commbench.run.comm import resolve_backend, resolve_world_size
+from commbench.run.comm import check_group_devices, resolve_backend, resolve_world_size
 from commbench.run.launch_env import (
     LAUNCHER_VARIABLE,
     PORT_BASE,
@@ -328,15 +328,15 @@ def test_backend_check_follows_the_binding_rule(clean_environ):
     clean_environ.setattr(torch.cuda, "device_count", lambda: devices["count"])
     # Spawned ranks: one device each on this host.
     with pytest.raises(UsageError, match="backend nccl needs 4 CUDA device\\(s\\) on this host, found 1"):
-        resolve_backend("nccl", 4)
+        check_group_devices("nccl", 4, "nccl")
     # srun tasks bound to one GPU each (--gpus-per-task=1): local rank 3 drives device 0.
     for name, value in srun_task(7).items():
         clean_environ.setenv(name, value)
     resolve_world_size(None)
     assert resolve_backend("auto", 8) == ("nccl", "auto: srun with 1 local CUDA device(s) -> nccl")
-    assert resolve_backend("nvshmem", 8)[0] == "nvshmem"
+    check_group_devices("nccl", 8, "nvshmem")
     devices["count"] = 2
     with pytest.raises(UsageError, match="needs 4 CUDA device.*one per local rank, or exactly 1 per task"):
-        resolve_backend("nccl", 8)
+        check_group_devices("nccl", 8, "nccl")
     devices["count"] = 4
-    assert resolve_backend("nccl", 8)[0] == "nccl"
+    check_group_devices("nccl", 8, "nccl")

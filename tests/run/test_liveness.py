@@ -203,7 +203,7 @@ def _waited_for(message):
 def test_spawned_run_names_the_rank_stopped_with_sigstop(tmp_path, victim):
     start = time.monotonic()
     with pytest.raises(CommError) as info:
-        launch(4, stopping_entry, (victim, str(tmp_path)), backend="gloo", timeout_s=TIMEOUT_S)
+        launch(4, stopping_entry, (victim, str(tmp_path)), process_group="gloo", timeout_s=TIMEOUT_S)
     message = str(info.value)
     assert re.match(
         rf"rank {victim} \(host .+, pid \d+, cpu\) stopped responding: process stopped by a "

@@ -76,7 +76,9 @@ def matrix_entry(comm, jobs, every):
 def test_gloo_moves_and_verifies_every_call() -> None:
     jobs = [MatrixJob("m", CALLS, warmup=1, iters=3)]
     every = [MatrixJob("every", CALLS[2:], warmup=1, iters=3, timing="iteration")]
-    rows, moved, caught, corrupted = launch(3, matrix_entry, (jobs, every), backend="gloo", timeout_s=60)
+    rows, moved, caught, corrupted = launch(
+        3, matrix_entry, (jobs, every), process_group="gloo", timeout_s=60
+    )
     assert [row["phase"] for row in rows] == [call.name for call in CALLS + CALLS[2:]]
     for row, call in zip(rows[:3], CALLS, strict=True):
         assert row["pattern"] == "m" and row["wrong"] == 0 and row["row_bytes"] == call.row_bytes

@@ -101,12 +101,12 @@ def env_entry(comm):
 def test_a_gloo_run_leaves_torchs_nccl_settings_alone(monkeypatch):
     for name in SETTINGS:
         monkeypatch.delenv(name, raising=False)
-    assert launch(2, env_entry, (), backend="gloo", timeout_s=30) == {}
+    assert launch(2, env_entry, (), process_group="gloo", timeout_s=30) == {}
 
 
 @pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA device")
 def test_an_nccl_rank_gets_the_settings_before_its_group_is_made():
-    settings = launch(1, env_entry, (), backend="nccl", timeout_s=TIMEOUT_S)
+    settings = launch(1, env_entry, (), process_group="nccl", timeout_s=TIMEOUT_S)
     assert settings[ASYNC_ERROR_HANDLING] == "2" and settings[DUMP_ON_TIMEOUT] == "0", settings
 
 
@@ -162,7 +162,7 @@ def stopping_nccl_entry(comm, victim):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 def test_spawned_nccl_run_names_the_rank_stopped_with_sigstop():
     with pytest.raises(CommError) as info:
-        launch(2, stopping_nccl_entry, (1,), backend="nccl", timeout_s=TIMEOUT_S)
+        launch(2, stopping_nccl_entry, (1,), process_group="nccl", timeout_s=TIMEOUT_S)
     message = str(info.value)
     assert re.match(r"rank 1 \(host .+, pid \d+, GPU 1\) stopped responding: process stopped", message), (
         message

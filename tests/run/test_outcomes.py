@@ -57,9 +57,9 @@ def _failing_entry(comm):
 
 
 def test_a_launch_returns_rank_zeros_result_and_names_a_failing_rank():
-    assert launch(2, _result_entry, (), backend="gloo", timeout_s=30) == {"rank": 0, "values": (1, 2.5)}
+    assert launch(2, _result_entry, (), process_group="gloo", timeout_s=30) == {"rank": 0, "values": (1, 2.5)}
     with pytest.raises(RuntimeError, match="rank 1 failed with ImportError: a library is missing"):
-        launch(2, _failing_entry, (), backend="gloo", timeout_s=30)
+        launch(2, _failing_entry, (), process_group="gloo", timeout_s=30)
 
 
 class _Planted:
@@ -136,7 +136,7 @@ def test_another_user_planting_pickles_in_the_temp_folder_runs_nothing(tmp_path:
     try:
         monkeypatch.setenv("TMPDIR", str(shared))
         monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
-        assert launch(2, _result_entry, (), backend="gloo", timeout_s=30)["rank"] == 0
+        assert launch(2, _result_entry, (), process_group="gloo", timeout_s=30)["rank"] == 0
         planted = [name for name in os.listdir(shared) if name.endswith(".pkl")]
     finally:
         planter.kill()
@@ -157,5 +157,5 @@ def test_a_launch_under_a_temp_folder_others_could_swap_files_in_is_refused_firs
     monkeypatch.setenv("TMPDIR", str(shared))
     monkeypatch.setattr(tempfile, "tempdir", None)
     with pytest.raises(UsageError, match="not sticky"):
-        launch(2, _result_entry, (), backend="gloo", timeout_s=30)
+        launch(2, _result_entry, (), process_group="gloo", timeout_s=30)
     assert os.listdir(shared) == []

@@ -179,7 +179,7 @@ def window_entry(comm) -> dict:
 
 
 def test_gloo_window_verifies_the_last_output_and_catches_corruption_and_stale_buffers():
-    results = launch(2, window_entry, (), backend="gloo", timeout_s=60)
+    results = launch(2, window_entry, (), process_group="gloo", timeout_s=60)
     message, rows = results["clean"]
     assert message is None
     assert [(r["timing"], r["check"], r["wrong"], r["iters"]) for r in rows] == [
@@ -217,7 +217,7 @@ def test_gpu_end_event_is_recorded_before_the_host_waits_and_both_timings_run():
         torch.cuda._sleep(1_000_000)  # ~1 ms of device time at ~1 GHz
         timer.stop(slow_wait)
     assert cuda.seconds() < 0.04 <= 0.05 <= host.seconds()
-    rows = launch(1, gpu_entry, (), backend="nccl", timeout_s=120)
+    rows = launch(1, gpu_entry, (), process_group="nccl", timeout_s=120)
     assert [(r["timing"], r["check"], r["wrong"]) for r in rows] == [
         ("window", "window-last", 0),
         ("window", "window-last", 0),

@@ -5,34 +5,18 @@ token rows a rank received, its own included ("logical" bytes), over the dispatc
 counts one row per (token, expert) selection over the kernel alone; pplx-kernels counts tokens x experts
 per token; NCCL EP's benchmark counts per-rank totals by direction. commbench's own columns (algbw, busbw)
 count the bottleneck rank's bytes without self traffic over the slowest rank's time. Each ``LibraryBandwidth``
-says which row columns reproduce one library figure, so ``report.vocabulary`` can print it beside busbw "as
-the library prints it". The libraries print one figure per rank; the row holds the rank with the most bytes
-(``max_send_bytes`` / ``max_recv_bytes``, self traffic included) and the iteration's slowest rank, so the
-figure is the one the library shows on its busiest rank when ranks finish together. This module imports
-nothing heavy: the report reads it without torch.
+says which row columns reproduce one library figure; each adapter class carries its library's figures as
+``bandwidth_vocabulary``, so ``report.interop.vocabulary`` can print them beside busbw "as the library prints
+it". The libraries print one figure per rank; the row holds the rank with the most bytes (``max_send_bytes``
+/ ``max_recv_bytes``, self traffic included) and the iteration's slowest rank, so the figure is the one the
+library shows on its busiest rank when ranks finish together.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-
-@dataclass(frozen=True)
-class LibraryBandwidth:
-    """One figure a library prints: ``bytes_column`` / ``time_column`` of a result row."""
-
-    library: str  # "DeepEP"
-    phase: str  # "dispatch" | "combine"
-    label: str  # how the library's own output names the figure, e.g. "GB/s (NVL)"
-    bytes_column: str  # a byte column of the row, e.g. "max_recv_bytes"
-    time_column: str  # a time column of the row, e.g. "time_us_mean"
-    bytes_meaning: str  # what the library counts
-    time_meaning: str  # what the library times
-    modes: tuple[str, ...] = ()  # the adapter's ``mode`` knob values it applies to; () = every mode
-
-    def applies(self, phase: str, mode: str) -> bool:
-        return phase == self.phase and (not self.modes or mode in self.modes)
-
+from commbench.run.describe import LibraryBandwidth
 
 # DeepEP 2.1.0 tests/legacy/test_intranode.py: recv_x bytes / the dispatch call (and the same bytes sent
 # back / the combine call), CUDA-event bench, per rank; tests/legacy/test_low_latency.py: selections x token
@@ -154,11 +138,3 @@ NCCL_EP = (
         modes=("ll",),
     ),
 )
-
-# The built-in adapters' figures by backend name (plug-ins declare theirs as a class attribute BANDWIDTH).
-BUILTIN: dict[str, tuple[LibraryBandwidth, ...]] = {
-    "deep-ep": DEEP_EP,
-    "uccl-ep": UCCL_EP,
-    "pplx": PPLX,
-    "nccl-ep": NCCL_EP,
-}

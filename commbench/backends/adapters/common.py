@@ -46,11 +46,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from commbench.backends.adapters.bandwidth import LibraryBandwidth
 from commbench.backends.base import grown_buffer
 from commbench.backends.options import DeclaredOptions
 from commbench.errors import UsageError
-from commbench.run.dist import process_group_backend, use_nccl_group
 from commbench.run.interface import Backend
 from commbench.traffic.payload import HEADER_BYTES, poison_
 from commbench.traffic.plan import RankPlan
@@ -148,23 +146,19 @@ class DispatcherBackend(DeclaredOptions, Backend):
 
     A subclass names its library (``LIBRARY``: the module imported lazily; ``DISPLAY``, ``INSTALL``,
     ``API_VERSION``: the version whose API it follows), declares its knobs (``OPTIONS``) and how its
-    library defines bandwidth (``BANDWIDTH``), and implements ``prepare`` (the library's buffers for a
-    job, untimed, collective), ``dispatch`` and ``combine``."""
+    library defines bandwidth (``bandwidth_vocabulary``) and its kernels' names (``kernel_patterns``), and
+    implements ``prepare`` (the library's buffers for a job, untimed, collective), ``dispatch`` and
+    ``combine``."""
 
     LIBRARY: ClassVar[str] = ""
     DISPLAY: ClassVar[str] = ""
     INSTALL: ClassVar[str] = ""
     API_VERSION: ClassVar[str] = ""
-    BANDWIDTH: ClassVar[tuple[LibraryBandwidth, ...]] = ()  # how the library defines its figures
-    # The torch.distributed group the library needs its ranks on (one GPU per rank, NCCL).
+    # The library needs its ranks on NCCL with one GPU each, and its figures are a GPU fabric's (judged).
     process_group: ClassVar[str] = "nccl"
+    gpu_fabric: ClassVar[bool] = True
     # The combine output's precision: the library reduces in bf16 (module docstring).
     combine_rtol: ClassVar[float] = BF16_COMBINE_RTOL
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.process_group == "nccl" and getattr(cls, "name", ""):
-            use_nccl_group(cls.name)  # its ranks get NCCL and one GPU each, as nccl and nvshmem ranks
 
     @classmethod
     def import_library(cls) -> ModuleType:
@@ -180,19 +174,13 @@ class DispatcherBackend(DeclaredOptions, Backend):
 
     @classmethod
     def check_available(cls) -> None:
-        """UsageError (one line, exit 2) unless the library imports, this host has CUDA devices and the
-        launch puts this backend's ranks on the process group it needs (one GPU per rank, NCCL)."""
+        """UsageError (one line, exit 2) unless the library imports and this host has CUDA devices (the
+        launch puts the ranks on ``process_group``, one GPU each)."""
         cls.import_library()
         if torch.cuda.device_count() < 1:
             raise UsageError(
                 f"--backend {cls.name} needs CUDA GPUs ({cls.DISPLAY} runs on GPUs only); this host has no "
                 "CUDA device"
-            )
-        given = process_group_backend(cls.name)
-        if given != cls.process_group:
-            raise UsageError(
-                f"--backend {cls.name} needs one GPU per rank on a {cls.process_group} process group, but "
-                f"the launch puts its ranks on {given} (run.comm.process_group_backend); see docs/plugins.md"
             )
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:

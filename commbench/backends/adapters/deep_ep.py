@@ -45,6 +45,7 @@ from commbench.backends.adapters.common import (
 from commbench.backends.base import grown_buffer
 from commbench.backends.options import BackendOption
 from commbench.errors import UsageError
+from commbench.run.describe import COMMUNICATION, COMPUTE, KernelPattern, kernel_names
 from commbench.traffic.plan import RankPlan
 
 NORMAL, LOW_LATENCY, HYBRID = "normal", "low_latency", "hybrid"
@@ -90,13 +91,47 @@ def deep_ep_options(modes: tuple[str, ...]) -> tuple[BackendOption, ...]:
     )
 
 
+_NAMESPACES = r"deep_ep::(?:legacy::)?"  # DeepEP moved its first kernels under deep_ep::legacy
+_ELASTIC = "deep_ep::elastic::"
+# DeepEP's kernels as CUPTI/Kineto name them (report.profiler.kernels): the carve-outs that only touch local
+# memory first, then the ones that move data between ranks.
+KERNELS = (
+    KernelPattern(
+        "deepep",
+        COMPUTE,
+        kernel_names(
+            rf"{_NAMESPACES}(?:layout|internode)::get_dispatch_layout"
+            rf"|{_ELASTIC}(?:dispatch_copy_epilogue|combine_reduce_epilogue)_impl"
+        ),
+        "deepseek-ai/DeepEP csrc/kernels/{layout,internode}.cu (get_dispatch_layout reads topk_idx only; "
+        "deep_ep::internode in the first release, deep_ep::layout later); "
+        "deep_ep/include/deep_ep/impls/*_epilogue.cuh (local copy / reduce of received rows)",
+    ),
+    KernelPattern(
+        "deepep",
+        COMMUNICATION,
+        kernel_names(
+            rf"{_NAMESPACES}intranode::(?:barrier|notify_dispatch|cached_notify_dispatch|dispatch"
+            r"|cached_notify_combine|combine)"
+            rf"|{_NAMESPACES}internode::(?:notify_dispatch|dispatch|cached_notify|combine)"
+            rf"|{_NAMESPACES}internode_ll::(?:clean_low_latency_buffer|dispatch|combine)"
+            rf"|{_ELASTIC}(?:dispatch|combine|hybrid_dispatch|hybrid_combine|barrier|engram_fetch"
+            r"|engram_fetch_wait|pp_send|pp_recv)_impl"
+        ),
+        "deepseek-ai/DeepEP csrc/kernels/{intranode,internode,internode_ll}.cu (csrc/kernels/legacy/ in "
+        "later versions), deep_ep/include/deep_ep/impls/*.cuh (deep_ep::elastic)",
+    ),
+)
+
+
 class DeepEpBackend(DispatcherBackend):
     name = "deep-ep"
     LIBRARY = "deep_ep"
     DISPLAY = "DeepEP"
     INSTALL = "build and install github.com/deepseek-ai/DeepEP"
     API_VERSION = "DeepEP 2.1.0 (main dd758ca); Hybrid-EP: hybrid-ep branch 94a9f8f"
-    BANDWIDTH = DEEP_EP
+    bandwidth_vocabulary = DEEP_EP
+    kernel_patterns = KERNELS  # UCCL-EP (a subclass) builds DeepEP's kernels
     MODES: ClassVar[tuple[str, ...]] = (NORMAL, LOW_LATENCY, HYBRID)
     OPTIONS: ClassVar[tuple[BackendOption, ...]] = deep_ep_options(MODES)
 

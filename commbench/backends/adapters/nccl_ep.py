@@ -55,7 +55,7 @@ class NcclEpBackend(DispatcherBackend):
     DISPLAY = "NCCL EP"
     INSTALL = "pip install nccl4py[cu13] (nccl4py >= 0.3.1, which ships NCCL EP as nccl.ep)"
     API_VERSION = "nccl4py 0.3.1 nccl.ep (NVIDIA/nccl master 5067397)"
-    BANDWIDTH = NCCL_EP
+    bandwidth_vocabulary = NCCL_EP
     OPTIONS: ClassVar[tuple[BackendOption, ...]] = (
         BackendOption(
             "mode", str, HT, "ht (high throughput, flat) or ll (low latency, per expert)", choices=(HT, LL)

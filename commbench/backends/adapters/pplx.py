@@ -28,9 +28,23 @@ from commbench.backends.adapters.bandwidth import PPLX
 from commbench.backends.adapters.common import DispatcherBackend, PeerShape
 from commbench.backends.options import BackendOption
 from commbench.errors import UsageError
+from commbench.run.describe import COMMUNICATION, KernelPattern, kernel_names
 from commbench.traffic.plan import RankPlan
 
 INTRANODE, INTERNODE = "intranode", "internode"
+# Template arguments are part of the pattern: these kernel names are generic, pplx's signatures are not.
+KERNELS = (
+    KernelPattern(
+        "pplx",
+        COMMUNICATION,
+        kernel_names(
+            r"(?:\(anonymous namespace\)::)?dispatchKernel<\d+u?, (?:true|false), (?:true|false)>"
+            r"|(?:\(anonymous namespace\)::)?combineKernel<[\w: ]+, [\w: ]+, \d+u?l*, (?:true|false), "
+            r"(?:true|false)>"
+        ),
+        "perplexityai/pplx-kernels csrc/all_to_all/{intranode,internode}_{dispatch,combine}.cu",
+    ),
+)
 
 
 class PplxBackend(DispatcherBackend):
@@ -39,7 +53,8 @@ class PplxBackend(DispatcherBackend):
     DISPLAY = "pplx-kernels"
     INSTALL = "pip install github.com/perplexityai/pplx-kernels (needs NVSHMEM)"
     API_VERSION = "pplx-kernels 0.0.1 (main 2bd6e30)"
-    BANDWIDTH = PPLX
+    bandwidth_vocabulary = PPLX
+    kernel_patterns = KERNELS
     OPTIONS: ClassVar[tuple[BackendOption, ...]] = (
         BackendOption(
             "mode",

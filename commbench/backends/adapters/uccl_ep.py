@@ -34,7 +34,7 @@ class UcclEpBackend(DeepEpBackend):
     DISPLAY = "UCCL-EP"
     INSTALL = "build uccl with its ep extension (uccl.ep) and install ep/deep_ep_wrapper"
     API_VERSION = "uccl main da914a2 (ep/bench/buffer.py, ep/deep_ep_wrapper)"
-    BANDWIDTH = UCCL_EP
+    bandwidth_vocabulary = UCCL_EP
     MODES: ClassVar[tuple[str, ...]] = (NORMAL, LOW_LATENCY)
     OPTIONS: ClassVar[tuple[BackendOption, ...]] = deep_ep_options(MODES)
 

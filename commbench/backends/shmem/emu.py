@@ -115,6 +115,7 @@ class SharedHeap:
 class ShmemEmuBackend(DeclaredOptions, Backend):
     name = "shmem-emu"
     emulated = True
+    one_sided = True  # nvshmem's heap layout: each receive buffer has two sides
 
     OPTIONS: ClassVar[tuple[BackendOption, ...]] = put_signal_options(default_chunk_bytes=64 * 1024)
 

@@ -3,7 +3,8 @@ figure "as the library prints it", computed from the row's bytes and times (``fr
 
 A library's figure is not busbw: DeepEP's normal kernels count every token row a rank received, its own
 included, over the dispatch call; its low-latency test counts selections over the kernel alone; pplx-kernels
-and NCCL EP pick their own bytes (``backends.adapters.bandwidth`` says which, per library and mode). The pages
+and NCCL EP pick their own bytes (each backend class's ``bandwidth_vocabulary`` says which, per library and
+mode; the adapters' are in ``backends.adapters.bandwidth``). The pages
 show both so a user can match the library's own printout: ``library_figures`` (one row per figure),
 ``with_library_columns`` (two columns beside busbw) and ``vocabulary_table`` (the table of definitions).
 """
@@ -15,10 +16,10 @@ from collections.abc import Iterable
 import numpy as np
 import pandas as pd
 
-from commbench.backends.adapters.bandwidth import BUILTIN, LibraryBandwidth
 from commbench.report.frame import gbps
 from commbench.report.knobs import knob_setting
 from commbench.report.pages.tables import format_table
+from commbench.run.describe import LibraryBandwidth
 
 FIGURE_COLUMNS = ("library_figure", "library_GBps")
 VOCABULARY_HEADERS = (
@@ -34,17 +35,15 @@ _CASE_COLUMNS = ("pattern", "skew", "phase", "backend", "send_mode", "size_bytes
 
 
 def definitions(backend_name: str) -> tuple[LibraryBandwidth, ...]:
-    """The library figures of ``backend_name``: a built-in adapter's, or a plug-in's ``BANDWIDTH`` class
-    attribute (its class loaded lazily); () for a backend without one (nccl, gloo, ...)."""
-    if backend_name in BUILTIN:
-        return BUILTIN[backend_name]
+    """The library figures of ``backend_name``: its class's ``bandwidth_vocabulary`` (the class loaded
+    lazily, a plug-in's as a built-in's); () for a backend without one (nccl, gloo, ...), an unknown name or
+    a class that does not load."""
     from commbench.backends import ENTRIES, load_backend
 
-    entry = ENTRIES.get(backend_name)
-    if entry is None or entry.builtin:
+    if backend_name not in ENTRIES:
         return ()
     backend_class, _ = load_backend(backend_name)
-    declared = getattr(backend_class, "BANDWIDTH", ()) or ()
+    declared = getattr(backend_class, "bandwidth_vocabulary", ()) or ()
     return tuple(item for item in declared if isinstance(item, LibraryBandwidth))
 
 
@@ -114,10 +113,14 @@ def with_library_columns(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def vocabulary_rows(backends: Iterable[str] | None = None) -> list[list[str]]:
-    """The definitions as table cells, one row per (backend, figure); ``backends`` None = the built-in
-    adapters."""
+    """The definitions as table cells, one row per (backend, figure); ``backends`` None = every registered
+    backend that has any."""
+    if backends is None:
+        from commbench.backends import loaded_backends
+
+        backends = [name for name, _ in loaded_backends()]
     rows = []
-    for name in BUILTIN if backends is None else backends:
+    for name in backends:
         for item in definitions(name):
             rows.append(
                 [

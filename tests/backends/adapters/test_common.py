@@ -69,13 +69,12 @@ def test_expert_major_slots_index_the_valid_rows_of_each_expert():
 
 
 def test_an_adapter_puts_its_ranks_on_nccl_with_a_gpu_each(monkeypatch):
-    """Loading an adapter class registers its name with the launch's NCCL backends: its ranks get NCCL and one
-    GPU each, as nccl and nvshmem ranks, and with the library and GPUs present it is available."""
+    """An adapter class says its ranks need NCCL and one GPU each (the launch reads ``process_group``), as
+    nccl and nvshmem ranks, and with the library and GPUs present it is available."""
     from commbench.backends.adapters.pplx import PplxBackend
-    from commbench.run.dist import process_group_backend
     from tests.backends.fakes import pplx_kernels, remove_modules
 
-    assert process_group_backend(PplxBackend.name) == "nccl"
+    assert PplxBackend.process_group == "nccl"
     pplx_kernels.install(with_cuda_core=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     try:

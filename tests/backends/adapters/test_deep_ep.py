@@ -41,7 +41,7 @@ def _entry(comm, cases, options):
 @pytest.fixture(scope="module")
 def report():
     """One launch of 4 gloo ranks (DeepEP's config table covers 2, 4, 8, ... ranks)."""
-    return dist.launch(4, _entry, (CASES, {"num_sms": 24}), backend="gloo", timeout_s=TIMEOUT_S)
+    return dist.launch(4, _entry, (CASES, {"num_sms": 24}), process_group="gloo", timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[f"{c[0]}-{c[1].name}-{c[3]}" for c in CASES])
@@ -105,7 +105,7 @@ def _stale_entry(comm):
 
 
 def test_a_dispatch_that_moves_nothing_is_caught_by_the_poisoned_buffers():
-    outcomes = dist.launch(2, _stale_entry, (), backend="gloo", timeout_s=TIMEOUT_S)
+    outcomes = dist.launch(2, _stale_entry, (), process_group="gloo", timeout_s=TIMEOUT_S)
     for outcome in outcomes:
         assert outcome["rows_wrong"][0] == 0 and outcome["rows_wrong"][1] > 0
 
@@ -126,7 +126,7 @@ def _refusal_entry(comm, mode, model, send_mode):
 )
 def test_a_mapping_the_library_cannot_run_is_one_usage_error(mode, model, send_mode, message):
     with pytest.raises(UsageError, match=message):
-        dist.launch(2, _refusal_entry, (mode, model, send_mode), backend="gloo", timeout_s=TIMEOUT_S)
+        dist.launch(2, _refusal_entry, (mode, model, send_mode), process_group="gloo", timeout_s=TIMEOUT_S)
 
 
 def test_availability_names_the_library_then_the_gpus():

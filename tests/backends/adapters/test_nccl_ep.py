@@ -27,7 +27,7 @@ def _entry(comm):
 
 
 def test_ht_and_ll_deliver_every_row_as_gloo_does():
-    outcomes, rows, calls = dist.launch(2, _entry, (), backend="gloo", timeout_s=TIMEOUT_S)
+    outcomes, rows, calls = dist.launch(2, _entry, (), process_group="gloo", timeout_s=TIMEOUT_S)
     for (mode, _, _), case in zip(CASES, outcomes, strict=True):
         assert_clean(case)
         assert case[0]["knobs"]["mode"] == mode and case[0]["knobs"]["num_channels"] == 8
@@ -52,7 +52,7 @@ def _refusal_entry(comm, mode, model, send_mode):
 )
 def test_mappings_nccl_ep_cannot_run_are_refused(mode, model, send_mode, message):
     with pytest.raises(UsageError, match=message):
-        dist.launch(2, _refusal_entry, (mode, model, send_mode), backend="gloo", timeout_s=TIMEOUT_S)
+        dist.launch(2, _refusal_entry, (mode, model, send_mode), process_group="gloo", timeout_s=TIMEOUT_S)
 
 
 def test_without_nccl4py_it_is_listed_unavailable_naming_the_package():

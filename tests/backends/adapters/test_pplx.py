@@ -25,7 +25,7 @@ def _entry(comm):
 
 
 def test_selection_mode_delivers_every_row_and_combines_with_the_owners_weights():
-    outcomes, rows, calls = dist.launch(2, _entry, (), backend="gloo", timeout_s=TIMEOUT_S)
+    outcomes, rows, calls = dist.launch(2, _entry, (), process_group="gloo", timeout_s=TIMEOUT_S)
     for mode in ("intranode", "internode", "bf16"):
         assert_clean(outcomes[mode])
     knobs = outcomes["internode"][0]["knobs"]
@@ -59,7 +59,7 @@ def _stale_entry(comm):
 
 
 def test_a_dispatch_that_writes_nothing_leaves_the_sentinel_and_is_caught():
-    for outcome in dist.launch(2, _stale_entry, (), backend="gloo", timeout_s=TIMEOUT_S):
+    for outcome in dist.launch(2, _stale_entry, (), process_group="gloo", timeout_s=TIMEOUT_S):
         assert outcome["rows_wrong"][0] == 0 and outcome["rows_wrong"][1] > 0
 
 
@@ -71,4 +71,4 @@ def _refusal_entry(comm, send_mode, mask_ratio):
 @pytest.mark.parametrize(("send_mode", "mask_ratio"), [("token", 0.0), ("selection", 0.2)])
 def test_tokens_with_fewer_rows_than_experts_per_token_are_refused(send_mode, mask_ratio):
     with pytest.raises(UsageError, match="pplx-kernels sends every token to exactly experts_per_token"):
-        dist.launch(2, _refusal_entry, (send_mode, mask_ratio), backend="gloo", timeout_s=TIMEOUT_S)
+        dist.launch(2, _refusal_entry, (send_mode, mask_ratio), process_group="gloo", timeout_s=TIMEOUT_S)

@@ -26,7 +26,7 @@ def _entry(comm):
 
 
 def test_both_modes_deliver_every_row_through_the_wrapper_and_start_its_proxies():
-    outcomes, calls = dist.launch(2, _entry, (), backend="gloo", timeout_s=TIMEOUT_S)
+    outcomes, calls = dist.launch(2, _entry, (), process_group="gloo", timeout_s=TIMEOUT_S)
     for (mode, _, _), case in zip(CASES, outcomes, strict=True):
         assert_clean(case)
         assert case[0]["knobs"]["mode"] == mode and case[0]["knobs"]["uccl_version"] == uccl.VERSION

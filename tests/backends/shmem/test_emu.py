@@ -126,7 +126,7 @@ def test_world2_skewed_verified_and_equal_to_torchdist() -> None:
         ("hot:2:0.4", "token", {}),
         ("zipf:1.2", "selection", {"signal_op": "set", "chunk_rows": 3}),
     ]
-    report = dist.launch(2, _world_entry, (scenarios, True), backend="gloo", timeout_s=TIMEOUT_S)
+    report = dist.launch(2, _world_entry, (scenarios, True), process_group="gloo", timeout_s=TIMEOUT_S)
     check_report(report, len(scenarios), corrupt=True)
     assert heap_files() == before  # the heap file is unlinked as soon as every rank mapped it
 
@@ -136,7 +136,7 @@ def test_world4_skewed_verified_and_equal_to_torchdist() -> None:
         ("rank-imbalance:4", "token", {"signal": "segment"}),
         ("zipf:1.5", "selection", {"chunk_rows": 2, "signal": "chunk", "signal_op": "add"}),
     ]
-    report = dist.launch(4, _world_entry, (scenarios, False), backend="gloo", timeout_s=TIMEOUT_S)
+    report = dist.launch(4, _world_entry, (scenarios, False), process_group="gloo", timeout_s=TIMEOUT_S)
     check_report(report, len(scenarios), corrupt=False)
 
 
@@ -156,7 +156,7 @@ def _silent_peer_entry(comm, silent_rank: int) -> None:
 def test_a_silent_peer_is_a_comm_error_within_the_timeout() -> None:
     started = time.monotonic()
     with pytest.raises(CommError, match=r"waited 3 s in dispatch .*rank\(s\) 1"):
-        dist.launch(2, _silent_peer_entry, (1,), backend="gloo", timeout_s=3.0)
+        dist.launch(2, _silent_peer_entry, (1,), process_group="gloo", timeout_s=3.0)
     assert time.monotonic() - started < 60
 
 

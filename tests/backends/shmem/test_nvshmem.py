@@ -122,7 +122,7 @@ def test_gpu_machine_passes_the_torch_gate_and_finds_the_device_bitcode() -> Non
 def test_one_pe_dispatch_and_combine_verified(options: dict, send_mode: str) -> None:
     from commbench.run import dist
 
-    rows = dist.launch(1, _one_pe_entry, (options, send_mode), backend="nccl", timeout_s=60.0)
+    rows = dist.launch(1, _one_pe_entry, (options, send_mode), process_group="nccl", timeout_s=60.0)
     assert [r["phase"] for r in rows] == ["dispatch", "combine"]
     assert all(r["wrong"] == 0 and not r["emulated"] for r in rows)
     assert all(r["variant"] == options.get("variant", "put") for r in rows)
