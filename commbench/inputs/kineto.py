@@ -200,7 +200,12 @@ def read_trace_json(path: str, max_bytes: int = MAX_TRACE_JSON_BYTES) -> dict[st
 
 def _count(value: Any, what: str, least: int = 0) -> int:
     """A whole number recorded as a JSON number or decimal text, in [least, 2^48]."""
-    if isinstance(value, str) and value.strip().isdigit() and len(value.strip()) <= 20:
+    if (
+        isinstance(value, str)
+        and value.strip().isascii()
+        and value.strip().isdigit()
+        and len(value.strip()) <= 20
+    ):
         value = int(value.strip())
     if isinstance(value, float) and value.is_integer():
         value = int(value)

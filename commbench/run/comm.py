@@ -24,7 +24,13 @@ import torch.distributed as dist
 from commbench.errors import CommbenchError, CommError, UsageError
 from commbench.run.describe import PROCESS_GROUPS
 from commbench.run.heartbeats import Board, StoreBoard, beat_interval_s
-from commbench.run.launch_env import adopt_slurm_task, external_devices_fit, launcher, rank_device
+from commbench.run.launch_env import (
+    adopt_slurm_task,
+    check_torchrun_env,
+    external_devices_fit,
+    launcher,
+    rank_device,
+)
 from commbench.run.liveness import RankMonitor, current_monitor
 from commbench.run.nccl_env import apply_nccl_error_env
 
@@ -207,10 +213,7 @@ def resolve_world_size(world_size: int | None) -> int:
     here (``run.launch_env.adopt_slurm_task``, which also says when ``world_size`` means local ranks)."""
     adopt_slurm_task(world_size)
     if running_under_torchrun():
-        try:
-            launched = int(os.environ["WORLD_SIZE"])
-        except ValueError as exc:
-            raise UsageError(f"torchrun's WORLD_SIZE is not an integer: {exc}") from exc
+        launched = check_torchrun_env(os.environ)  # before any rendezvous: one line naming the variable
         if world_size is not None and world_size != launched:
             raise UsageError(
                 f"--world-size {world_size} differs from torchrun's WORLD_SIZE={launched}; drop --world-size "

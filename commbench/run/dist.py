@@ -86,7 +86,7 @@ def _run_this_rank(
     monitor = None
     if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
         rank = os.environ.get("RANK", "")
-        monitor = RankMonitor.install(int(rank) if rank.isdigit() else 0)
+        monitor = RankMonitor.install(int(rank) if rank.isascii() and rank.isdigit() else 0)
     comm = None
     ok = False
     try:

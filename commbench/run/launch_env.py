@@ -160,12 +160,35 @@ def in_srun_step(environ: Mapping[str, str]) -> bool:
     return any(name in environ for name in _STEP_ID_VARIABLES)
 
 
-def _integer(environ: Mapping[str, str], name: str, minimum: int = 0) -> int:
+def _integer(environ: Mapping[str, str], name: str, minimum: int = 0, maximum: int = 1 << 31) -> int:
     text = environ[name].strip()
-    if not text.isdigit() or int(text) < minimum:
+    # ASCII digits only: str.isdigit() takes "²" and "①", which int() then refuses.
+    if not (text.isascii() and text.isdigit()) or len(text) > 10 or not minimum <= int(text) <= maximum:
         whose = "Slurm's " if name.startswith("SLURM_") else ""
-        raise UsageError(f"{whose}{name}={environ[name]!r} is not a whole number >= {minimum}")
+        raise UsageError(f"{whose}{name}={environ[name]!r} is not a whole number in {minimum}..{maximum}")
     return int(text)
+
+
+def check_torchrun_env(environ: Mapping[str, str]) -> int:
+    """torchrun's variables of this process checked before any rendezvous (one line, exit 2, naming the
+    variable): RANK in 0..WORLD_SIZE-1, WORLD_SIZE >= 1, LOCAL_RANK below LOCAL_WORLD_SIZE, MASTER_PORT a TCP
+    port, MASTER_ADDR set. Returns WORLD_SIZE."""
+    world = _integer(environ, "WORLD_SIZE", 1)
+    rank = _integer(environ, "RANK", 0)
+    if rank >= world:
+        raise UsageError(f"RANK={rank} is not below WORLD_SIZE={world}; ranks are 0..{world - 1}")
+    if environ.get("LOCAL_WORLD_SIZE", "").strip():
+        local_world = _integer(environ, "LOCAL_WORLD_SIZE", 1, world)
+        if environ.get("LOCAL_RANK", "").strip() and _integer(environ, "LOCAL_RANK", 0) >= local_world:
+            raise UsageError(
+                f"LOCAL_RANK={environ['LOCAL_RANK'].strip()} is not below LOCAL_WORLD_SIZE={local_world}"
+            )
+    elif environ.get("LOCAL_RANK", "").strip():
+        _integer(environ, "LOCAL_RANK", 0, world - 1)
+    _integer(environ, "MASTER_PORT", 1, 65535)
+    if not environ.get("MASTER_ADDR", "").strip():
+        raise UsageError("MASTER_ADDR is empty; set it to the host of rank 0")
+    return world
 
 
 def _first_set(environ: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:

@@ -2,6 +2,7 @@
 bad values, the launcher named for the report and the GPU a rank drives."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -340,3 +341,51 @@ def test_backend_check_follows_the_binding_rule(clean_environ):
         check_group_devices("nccl", 8, "nccl")
     devices["count"] = 4
     check_group_devices("nccl", 8, "nccl")
+
+
+@pytest.mark.parametrize(
+    ("variables", "words"),
+    [
+        ({"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 is not below WORLD_SIZE=4"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE='0' is not a whole number in 1.."),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK='-1'"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "\u00b2"},
+            "WORLD_SIZE='\u00b2'",
+        ),  # a superscript two: isdigit() says yes
+        ({"RANK": "\u2460", "WORLD_SIZE": "2"}, "RANK='\u2460'"),  # a circled one
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "abc"}, "MASTER_PORT='abc'"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "99999"},
+            "MASTER_PORT='99999' is not a whole number in 1..65535",
+        ),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "2"},
+            "LOCAL_RANK=2 is not below",
+        ),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": " "}, "MASTER_ADDR is empty"),
+    ],
+)
+def test_torchrun_variables_are_checked_before_any_rendezvous(variables, words):
+    from commbench.run.launch_env import check_torchrun_env
+
+    environ = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", **variables}
+    with pytest.raises(UsageError, match=re.escape(words)):
+        check_torchrun_env(environ)
+
+
+def test_a_bad_torchrun_variable_is_one_line_and_exit_2_from_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "RANK": "4", "WORLD_SIZE": "4"}
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "commbench", "run", "--pattern", "balanced", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "commbench: error: RANK=4 is not below WORLD_SIZE=4; ranks are 0..3"
+    ]
+    assert not out.exists()
