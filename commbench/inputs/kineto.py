@@ -27,7 +27,6 @@ import json
 import math
 import os
 import re
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from commbench.errors import UsageError
-from commbench.inputs.userfiles import clip, decode_user_text, read_user_bytes, show_path
+from commbench.inputs.userfiles import check_json_values, clip, decode_user_text, read_maybe_gzip, show_path
 
 # One rank's trace, decompressed. A training step's trace with shapes is typically 10-300 MiB; events other
 # than the two ops read here are dropped while parsing, so what stays in memory is the text itself.
@@ -154,23 +153,6 @@ def trace_files(path: str | os.PathLike[str]) -> list[str]:
     return names
 
 
-def _gunzip(data: bytes, limit: int, where: str) -> bytes:
-    """A gzip file's content (every member), refused past ``limit`` bytes before more is inflated."""
-    out: list[bytes] = []
-    while data:
-        inflater = zlib.decompressobj(wbits=31)
-        try:
-            out.append(inflater.decompress(data, limit + 1 - sum(map(len, out))))
-        except zlib.error as exc:
-            raise UsageError(f"{where}: not a readable .gz file ({clip(str(exc))})") from None
-        if sum(map(len, out)) > limit:
-            raise UsageError(f"{where} inflates to more than {limit >> 20} MiB, the limit for one trace")
-        if not inflater.eof:
-            raise UsageError(f"{where}: the .gz file is cut short; copy it again")
-        data = inflater.unused_data
-    return b"".join(out)
-
-
 def _keep_calls(obj: dict[str, Any]) -> Any:
     """json object hook: an event other than the two ops read is dropped as soon as it is parsed."""
     return None if "ph" in obj and obj.get("name") not in (COMMS_OP, GLOO_OP) else obj
@@ -179,10 +161,8 @@ def _keep_calls(obj: dict[str, Any]) -> Any:
 def read_trace_json(path: str, max_bytes: int = MAX_TRACE_JSON_BYTES) -> dict[str, Any]:
     """A trace file's top-level object (``.gz`` inflated), read bounded, other events dropped; never
     unpickled. UsageError naming the file otherwise."""
-    where = f"Kineto trace {show_path(path)}"
-    data = read_user_bytes(path, "Kineto trace", max_bytes)
-    if path.lower().endswith(".gz"):
-        data = _gunzip(data, max_bytes, where)
+    data, where = read_maybe_gzip(path, "Kineto trace", max_bytes)
+    check_json_values(data, where)
     text = decode_user_text(data, where)
     del data
     try:

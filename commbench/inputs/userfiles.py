@@ -23,6 +23,7 @@ import json
 import os
 import reprlib
 import stat
+import zlib
 from collections.abc import Iterable
 from typing import Any
 
@@ -141,6 +142,51 @@ def decode_user_text(data: bytes, where: str) -> str:
             f"{where} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
             "save it as UTF-8"
         ) from None
+
+
+# A JSON text's values (commas + 1) before it is parsed: json.loads builds an object per value, and 500 MiB of
+# "{}," would take tens of GB. A torch.profiler trace of 512 MiB holds ~20-30M values.
+MAX_JSON_VALUES = 32_000_000
+
+
+def inflate_gzip(data: bytes, limit: int, where: str) -> bytes:
+    """A gzip file's content (every member), refused past ``limit`` bytes before more is inflated (a gzip
+    bomb stops there); UsageError naming the file for broken or cut data."""
+    out: list[bytes] = []
+    size = 0
+    while data:
+        inflater = zlib.decompressobj(wbits=31)
+        try:
+            out.append(inflater.decompress(data, limit + 1 - size))
+        except zlib.error as exc:
+            raise UsageError(f"{where}: broken gzip data ({clip(str(exc))})") from None
+        size += len(out[-1])
+        if size > limit:
+            raise UsageError(f"{where}: more than {_size(limit)} once decompressed, the limit for this file")
+        if not inflater.eof:
+            raise UsageError(f"{where}: the gzip data is cut short (a truncated file?); copy it again")
+        data = inflater.unused_data
+    return b"".join(out)
+
+
+def read_maybe_gzip(path: str | os.PathLike[str], what: str, max_bytes: int) -> tuple[bytes, str]:
+    """(a file's bytes, inflated when it is gzip by its magic bytes, each bounded by ``max_bytes``; the
+    "<what> <path>" its errors name it by)."""
+    where = f"{what} {show_path(path)}"
+    data = read_user_bytes(path, what, max_bytes)
+    if data[:2] == b"\x1f\x8b":
+        data = inflate_gzip(data, max_bytes, where)
+    return data, where
+
+
+def check_json_values(data: bytes | str, where: str, limit: int = MAX_JSON_VALUES) -> None:
+    """UsageError when a JSON text holds more than ``limit`` values (counted by its separators), before
+    anything is parsed: the bytes bound alone does not bound the objects a parser builds."""
+    separators = data.count(b"," if isinstance(data, bytes) else ",")
+    if separators >= limit:
+        raise UsageError(
+            f"{where} holds more than {limit:,} JSON values, the limit for this file; is it the right file?"
+        )
 
 
 def _size(count: int) -> str:

@@ -133,7 +133,7 @@ def test_size_bounds(tmp_path: Path) -> None:
     bomb = tmp_path / "bomb.json.gz"
     bomb.write_bytes(gzip.compress(b" " * (4 << 20)))  # 4 KiB on disk, 4 MiB inflated
     assert bomb.stat().st_size < 64 << 10
-    with pytest.raises(UsageError, match="inflates to more than 1 MiB"):
+    with pytest.raises(UsageError, match="more than 1 MiB once decompressed"):
         read_trace_json(str(bomb), max_bytes=1 << 20)
     cut = tmp_path / "cut.json.gz"
     cut.write_bytes(gzip.compress((NCCL / "rank0.json").read_bytes())[:200])
@@ -214,9 +214,12 @@ def test_malformed_files(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     check_refused(empty, "holds no .json(.gz) file")
-    (tmp_path / "x.json.gz").write_bytes(b"not gzip")
-    with pytest.raises(UsageError, match="not a readable .gz file"):
+    (tmp_path / "x.json.gz").write_bytes(b"not gzip")  # gzip is told by its magic bytes, not the name
+    with pytest.raises(UsageError, match="not valid JSON"):
         read_trace_json(str(tmp_path / "x.json.gz"))
+    (tmp_path / "y.json.gz").write_bytes(b"\x1f\x8bnot gzip")
+    with pytest.raises(UsageError, match="broken gzip data"):
+        read_trace_json(str(tmp_path / "y.json.gz"))
 
 
 def test_gloo_form_needs_recorded_splits_and_distributed_info(tmp_path: Path) -> None:
@@ -260,3 +263,17 @@ def test_dtype_table_matches_torch_element_sizes() -> None:
     assert DTYPES["long int"] == DTYPES["Long"] == ("int64", 8)
     for name, size in set(DTYPES.values()):
         assert getattr(torch, name).itemsize == size, name
+
+
+def test_a_trace_of_millions_of_empty_objects_is_refused_before_parsing(tmp_path, monkeypatch):
+    """Bytes do not bound objects: a small .gz of "{}," inflates to a list whose objects would take GBs."""
+    import gzip
+
+    from commbench.inputs import userfiles
+
+    monkeypatch.setattr(userfiles, "MAX_JSON_VALUES", 1000)  # the real limit, scaled down
+    monkeypatch.setattr(userfiles.check_json_values, "__defaults__", (1000,))
+    bomb = tmp_path / "bomb.json.gz"
+    bomb.write_bytes(gzip.compress(b'{"traceEvents": [' + b"{}," * 5000 + b"{}]}"))
+    with pytest.raises(UsageError, match="more than 1,000 JSON values"):
+        read_trace_json(str(bomb))

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ import numpy as np
 import pandas as pd
 
 from commbench.errors import UsageError
-from commbench.inputs.userfiles import read_user_bytes, show_path
+from commbench.inputs.userfiles import check_json_values, read_maybe_gzip, show_path
 from commbench.report.pages.tables import fmt_float, fmt_int, fmt_pct, fmt_text, format_table
 from commbench.report.profiler.kernels import COMMUNICATION, classify_event
 from commbench.run.torch_profiler import MEASURED_PREFIX
@@ -52,7 +51,6 @@ LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # CPU side of a launch: arg
 MARK_CATEGORY = "user_annotation"  # record_function ranges on the CPU timeline
 WINDOW_MEASURED, WINDOW_WHOLE = "measured", "whole trace"
 _RANK_IN_NAME = re.compile(r"rank(\d+)")
-_GZIP_MAGIC = b"\x1f\x8b"
 _HINT = "pass a Chrome trace written by torch.profiler (export_chrome_trace) or --torch-profiler"
 
 RANK_COLUMNS = (
@@ -76,11 +74,8 @@ class KinetoOverlap:
 def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A Chrome trace file as a dict with a ``traceEvents`` list (a bare JSON list of events is accepted as
     one); plain or gzip, bounded; UsageError naming the file when it is none."""
-    what = "Kineto trace"
-    where = f"{what} {show_path(path)}"
-    data = read_user_bytes(path, what, MAX_TRACE_BYTES)
-    if data[:2] == _GZIP_MAGIC:
-        data = _gunzip(data, where)
+    data, where = read_maybe_gzip(path, "Kineto trace", MAX_TRACE_BYTES)
+    check_json_values(data, where)
     try:
         trace = json.loads(data)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, nesting deeper than the stack
@@ -90,22 +85,6 @@ def load_trace(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise UsageError(f"{where}: no traceEvents list, so not a Chrome trace; {_HINT}")
     return trace
-
-
-def _gunzip(data: bytes, where: str) -> bytes:
-    """The decompressed bytes of a gzip file, at most MAX_TRACE_BYTES of them (a gzip bomb stops there)."""
-    inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
-    try:
-        out = inflater.decompress(data, MAX_TRACE_BYTES + 1)
-    except zlib.error as exc:
-        raise UsageError(f"{where}: broken gzip data ({_first_line(exc)}); {_HINT}") from None
-    if len(out) > MAX_TRACE_BYTES:
-        raise UsageError(
-            f"{where}: more than {MAX_TRACE_BYTES >> 20} MiB once decompressed; is it the right file?"
-        )
-    if not inflater.eof:
-        raise UsageError(f"{where}: the gzip data ends early (a truncated file?); {_HINT}")
-    return out
 
 
 def _first_line(exc: BaseException) -> str:
