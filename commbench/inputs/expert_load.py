@@ -32,6 +32,8 @@ COLUMNS = ("layer", "expert", "tokens")
 MAX_LOAD_FILE_BYTES = 64 << 20
 MAX_LOAD_ROWS = 1 << 22
 MAX_ID = 1 << 31  # layers and experts are small integers
+# Tokens of one (layer, expert) row: more than any training run routes, and rows x this stay finite.
+MAX_ROW_TOKENS = 1e15
 ZERO_LOAD_WEIGHT = 1e-6  # of the mean: an expert the table never saw is picked only when nothing else can be
 
 
@@ -149,9 +151,12 @@ def _check(path: str, layer: np.ndarray, expert: np.ndarray, tokens: np.ndarray)
         bad = ~np.isfinite(values) | (values < 0)
         if whole:
             bad |= (values != np.floor(values)) | (values >= MAX_ID)
+        else:
+            bad |= values > MAX_ROW_TOKENS  # 1.7e308 tokens would overflow the sum into inf
         if bad.any():
             row = int(np.flatnonzero(bad)[0])
-            kind = "a whole number >= 0" if whole else "a number >= 0 (a count of tokens)"
+            count = f"a number >= 0 and <= {MAX_ROW_TOKENS:.0e} (a count of tokens)"
+            kind = "a whole number >= 0" if whole else count
             raise UsageError(f"{where}: row {row + 1}: {column} {values[row]:g} must be {kind}")
     return ExpertLoad(path, layer.astype(np.int64), expert.astype(np.int64), tokens)
 
@@ -201,6 +206,9 @@ def expert_weights(
     """Popularity weights float64 [num_experts], mean 1, proportional to the layer's tokens per expert (a
     floor of ZERO_LOAD_WEIGHT for experts without tokens)."""
     loads = layer_loads(read_expert_load(path), num_experts, layer, model)
+    # Scaled by the largest first: loads of 1e-320 (subnormal) or 1e15 keep their ratios instead of
+    # overflowing into inf or underflowing into a uniform routing.
+    loads = loads / loads.max()
     weights = loads * (num_experts / loads.sum())
     weights = np.maximum(weights, ZERO_LOAD_WEIGHT)
     return weights * (num_experts / weights.sum())

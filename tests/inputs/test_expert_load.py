@@ -126,3 +126,26 @@ def test_routing_draws_the_layers_busiest_expert_most() -> None:
     with pytest.raises(UsageError, match="expert 15 is out of range for eight's 8 experts"):
         eight = ModelConfig(name="eight", hidden=64, num_experts=8, topk=2, dispatch_dtype="bf16")
         expert_popularity(RoutingConfig(eight, parse_skew(f"load:{TABLE}:0"), 4, 64))
+
+
+@pytest.mark.parametrize("scale", [1e-320, 1e-300, 1.0, 1e12])
+def test_loads_keep_their_ratios_at_any_scale(tmp_path, scale):
+    """Subnormal or huge token counts must not become a uniform routing (0/0, inf/inf)."""
+    import numpy as np
+
+    from commbench.inputs.expert_load import expert_weights
+
+    path = tmp_path / "load.csv"
+    path.write_text("layer,expert,tokens\n" + "".join(f"0,{e},{(e + 1) * scale!r}\n" for e in range(4)))
+    weights = expert_weights(str(path), 4)
+    assert np.isfinite(weights).all()
+    assert weights == pytest.approx(np.array([1, 2, 3, 4]) / 2.5)
+
+
+def test_a_token_count_that_would_overflow_the_sum_is_refused(tmp_path):
+    from commbench.inputs.expert_load import read_expert_load
+
+    path = tmp_path / "load.csv"
+    path.write_text("layer,expert,tokens\n0,0,1.7e308\n0,1,1.7e308\n")
+    with pytest.raises(UsageError, match="row 1: tokens 1.7e\\+308 must be a number >= 0 and <= 1e\\+15"):
+        read_expert_load(str(path))
