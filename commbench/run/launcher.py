@@ -40,6 +40,7 @@ from commbench.run.liveness import (
     STOP_SIGNALS,
     RankMonitor,
     die_with_parent,
+    matplotlib_dir_for,
     name_process,
     process_state,
     remove_scratch,
@@ -186,6 +187,9 @@ def spawn(
     board = SharedBoard(world_size, context)
     launch_id = os.urandom(6).hex()
     check_temp_dir()  # the ranks' scratch files and multiprocessing's own live there
+    matplotlib_dir = matplotlib_dir_for(launch_id)
+    if matplotlib_dir is not None:  # inherited by the ranks; removed with the launch's scratch
+        os.environ["MPLCONFIGDIR"] = matplotlib_dir
     pipes = [context.Pipe(duplex=False) for _ in range(world_size)]  # (launcher's end, the rank's end)
     readers = [OutcomeReader(receive) for receive, _ in pipes]
     port = free_port()
@@ -236,6 +240,8 @@ def spawn(
         _kill(processes)
         signals.restore()
         remove_scratch(launch_id)
+        if matplotlib_dir is not None and os.environ.get("MPLCONFIGDIR") == matplotlib_dir:
+            del os.environ["MPLCONFIGDIR"]
     outcomes = {rank: got for rank, reader in enumerate(readers) if (got := reader.finish()) is not None}
     if signals.signum is not None and not all(outcomes.get(r, ("",))[0] == "ok" for r in range(world_size)):
         raise StoppedError(

@@ -104,6 +104,27 @@ def scratch_name(kind: str) -> str:
     return f"commbench-{kind}-{launch_id}-{os.urandom(8).hex()}"
 
 
+def matplotlib_dir_for(launch_id: str, environ: dict[str, str] | None = None) -> str | None:
+    """A scratch folder of this launch for matplotlib's config and cache when its own (MPLCONFIGDIR, else
+    $XDG_CONFIG_HOME or ~/.config, /matplotlib) cannot be written: matplotlib would make a temp folder per
+    process and remove it at exit, which a rank leaving through os._exit never reaches. None (nothing to
+    do) when it can be written; the folder goes with the launch's scratch (``remove_scratch``)."""
+    env = os.environ if environ is None else environ
+    if env.get("MPLCONFIGDIR"):
+        return None
+    home = os.path.expanduser("~")
+    config = os.path.join(env.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"), "matplotlib")
+    probe = config
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)  # the folder matplotlib would create it in
+    if os.access(probe, os.W_OK | os.X_OK):
+        return None
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(base, f"commbench-mpl-{launch_id}-{os.urandom(8).hex()}")
+    os.mkdir(path, 0o700)
+    return path
+
+
 def remove_scratch(launch_id: str) -> None:
     """Remove the scratch files and folders of launch ``launch_id`` (/dev/shm and the temp folder)."""
     for folder in {"/dev/shm", tempfile.gettempdir()}:

@@ -69,7 +69,7 @@ def test_discovered_without_fabric_uses_hosts_and_accepts_dicts():
 def test_layout_describe():
     assert "2 x 2 ranks" in build_layout(4, ranks_per_domain=2).describe()
     places = [RankPlace(host=host) for host in ("a", "a", "a", "b")]
-    assert "1 x 3 + 1 x 1" in build_layout(4, discovered=places).describe()
+    assert "1 x 1 + 1 x 3" in build_layout(4, discovered=places).describe()
 
 
 def test_layout_arrays_are_int64():

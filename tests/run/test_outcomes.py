@@ -159,3 +159,18 @@ def test_a_launch_under_a_temp_folder_others_could_swap_files_in_is_refused_firs
     with pytest.raises(UsageError, match="not sticky"):
         launch(2, _result_entry, (), process_group="gloo", timeout_s=30)
     assert os.listdir(shared) == []
+
+
+def test_an_unwritable_home_gets_one_matplotlib_folder_that_goes_with_the_launch(tmp_path: Path, monkeypatch):
+    from commbench.run.liveness import matplotlib_dir_for, remove_scratch
+
+    home = tmp_path / "home"
+    home.mkdir()
+    assert matplotlib_dir_for("abc", {"XDG_CONFIG_HOME": str(home)}) is None  # writable: nothing to do
+    assert matplotlib_dir_for("abc", {"MPLCONFIGDIR": "/somewhere"}) is None  # the user's choice
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as for a user whose HOME is read-only
+    path = matplotlib_dir_for("abc123", {"XDG_CONFIG_HOME": str(home)})
+    assert path is not None and os.path.isdir(path) and "commbench-mpl-abc123-" in path
+    monkeypatch.undo()
+    remove_scratch("abc123")
+    assert not os.path.exists(path)
