@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -86,11 +87,27 @@ class SharedHeap:
         try:
             if create:
                 os.ftruncate(fd, size)  # zero-filled: every signal word starts at 0
+                try:
+                    # Reserve the pages now: a sparse file on a full /dev/shm maps fine and then ends the
+                    # rank with SIGBUS at the first write.
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    os.close(fd)
+                    fd = -1
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                    free = shutil.disk_usage(os.path.dirname(path)).free
+                    raise UsageError(
+                        f"shmem-emu needs a {size / 2**20:.0f} MiB heap in {os.path.dirname(path)}, which "
+                        f"has {free / 2**20:.0f} MiB free ({exc.strerror}); use fewer tokens or ranks, or a "
+                        "larger /dev/shm (docker run --shm-size)"
+                    ) from None
             elif os.fstat(fd).st_size != size:
                 raise CommError(f"shmem-emu heap {path} has {os.fstat(fd).st_size} bytes, expected {size}")
             self._map = mmap.mmap(fd, size)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.bytes = np.frombuffer(self._map, dtype=np.uint8)
 
     def view(self, pe: int, region: proto.Region) -> np.ndarray:

@@ -204,3 +204,23 @@ def test_dispatch_before_setup_is_an_error() -> None:
     backend = ShmemEmuBackend(cpu_comm(), {})
     with pytest.raises(RuntimeError, match="setup"):
         backend.dispatch(torch.zeros(1, 8, dtype=torch.uint8), None, torch.zeros(1, 1))  # type: ignore[arg-type]
+
+
+def test_a_heap_that_does_not_fit_in_dev_shm_is_one_line_not_sigbus(tmp_path, monkeypatch):
+    """A sparse heap on a full /dev/shm maps fine and then kills the rank with SIGBUS at the first write:
+    the pages are reserved at creation, and a shortage is a UsageError naming the sizes and the fix."""
+    import errno
+
+    import pytest
+
+    from commbench.backends.shmem.emu import SharedHeap
+    from commbench.errors import UsageError
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("os.posix_fallocate", full)
+    path = tmp_path / "heap"
+    with pytest.raises(UsageError, match=r"needs a 4 MiB heap in .* MiB free \(No space left on device\)"):
+        SharedHeap(str(path), 4, 1 << 20, create=True)
+    assert not path.exists()
