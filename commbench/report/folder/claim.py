@@ -176,6 +176,7 @@ class OutDirClaim:
     path: Path
     token: str
     created: bool
+    parents: tuple[Path, ...] = ()  # the folders above it the claim made, deepest first
 
     def release_if_unused(self) -> bool:
         """Undo the claim when nothing but the marker was written (a launch that failed before rank 0 wrote
@@ -186,6 +187,7 @@ class OutDirClaim:
             os.unlink(self.path / MARKER)
             if self.created:
                 os.rmdir(self.path)
+                _remove_parents(self.parents)
         except OSError:
             return False
         return True
@@ -237,9 +239,11 @@ def claim_out_dir(out_dir: str | os.PathLike[str]) -> OutDirClaim:
     claimed it first; OutDirTaken for the last two."""
     path = Path(out_dir)
     created = False
+    parents = _missing_parents(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
+        _remove_parents(parents)
         raise UsageError(f"cannot create output folder {str(path)!r}: {exc.strerror or exc}") from None
     try:
         os.mkdir(path)
@@ -250,6 +254,7 @@ def claim_out_dir(out_dir: str | os.PathLike[str]) -> OutDirClaim:
                 f"output path {str(path)!r} exists and is not a folder; pass a new --out folder"
             ) from None
     except OSError as exc:
+        _remove_parents(parents)
         raise UsageError(f"cannot create output folder {str(path)!r}: {exc.strerror or exc}") from None
     token = secrets.token_hex(16)
     marker = path / MARKER
@@ -263,7 +268,7 @@ def claim_out_dir(out_dir: str | os.PathLike[str]) -> OutDirClaim:
             f"--out folder (if no run is using it, delete {str(marker)!r})"
         ) from None
     except OSError as exc:
-        _undo(path, None, created)
+        _undo(path, None, created, parents)
         raise UsageError(f"cannot write in output folder {str(path)!r}: {exc.strerror or exc}") from None
     try:
         try:
@@ -272,12 +277,12 @@ def claim_out_dir(out_dir: str | os.PathLike[str]) -> OutDirClaim:
         finally:
             os.close(fd)
     except OSError as exc:
-        _undo(path, marker, created)
+        _undo(path, marker, created, parents)
         raise report_write_error(marker, exc) from None
     if [name for name in _names(path) if name != MARKER]:
-        _undo(path, marker, created)
+        _undo(path, marker, created, parents)
         raise OutDirTaken(_not_empty(path))
-    return OutDirClaim(path, token, created)
+    return OutDirClaim(path, token, created, parents)
 
 
 def _not_empty(path: Path) -> str:
@@ -294,10 +299,30 @@ def _names(path: Path) -> list[str]:
         return []
 
 
-def _undo(path: Path, marker: Path | None, created: bool) -> None:
+def _missing_parents(path: Path) -> tuple[Path, ...]:
+    """The folders above ``path`` that do not exist yet, deepest first."""
+    missing = []
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    return tuple(missing)
+
+
+def _remove_parents(parents: tuple[Path, ...]) -> None:
+    """Remove the folders a claim made above its own, deepest first, while they are empty."""
+    for parent in parents:
+        try:
+            os.rmdir(parent)
+        except OSError:
+            return
+
+
+def _undo(path: Path, marker: Path | None, created: bool, parents: tuple[Path, ...] = ()) -> None:
     """Leave the folder as the failed claim found it."""
     if marker is not None:
         _remove_quietly(marker)
     if created:
         with contextlib.suppress(OSError):
             os.rmdir(path)
+    _remove_parents(parents)
