@@ -105,7 +105,7 @@ def test_kernel_summary_says_how_each_name_was_classified():
 
 
 def test_table_shows_each_rank_and_its_libraries():
-    table = overlap_table(overlap_from_folder(DATA), "text").splitlines()
+    table = overlap_table(overlap_from_folder(DATA)).text().splitlines()
     assert len(table) == 3
     assert "overlap(%)" in table[0]
     assert "43.8" in table[1] and "commbench 60.0, deepep 100.0, memcpy 20.0, nccl 60.0" in table[1]
