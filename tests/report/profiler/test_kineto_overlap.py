@@ -30,7 +30,7 @@ from commbench.report.profiler.kineto_overlap import (
 )
 from commbench.run.torch_profiler import MEASURED_PREFIX
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "kineto_overlap"
+DATA = Path(__file__).resolve().parents[2] / "data" / "kineto_overlap"
 
 
 def _row(frame, **match):
