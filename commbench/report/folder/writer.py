@@ -234,7 +234,7 @@ class ReportWriter:
             frame = results_frame(_rows_on_disk(self.out_dir), self.spec)
             frame.attrs["meta"] = self.meta  # the stdout table's header reads it (report.console)
             return frame
-        frame = self._guarded(render_folder, self.out_dir, judge, incomplete)
+        frame = self._guarded(lambda: render_folder(self.out_dir, judge=judge, incomplete=incomplete))
         self.meta = frame.attrs["meta"]
         return frame
 
@@ -248,7 +248,7 @@ def _rows_on_disk(out_dir: Path) -> pd.DataFrame:
 
 
 def render_folder(
-    out_dir: str | os.PathLike[str], judge: Judge | None = None, incomplete: str | None = None
+    out_dir: str | os.PathLike[str], *, judge: Judge | None = None, incomplete: str | None = None
 ) -> pd.DataFrame:
     """Render a report folder from its files: results.parquet, results.json, summary.md and report.html
     (+ verdict.json and junit.xml from ``judge``'s verdict; without a judge the folder's own verdict.json is
@@ -289,11 +289,11 @@ def mark_incomplete(
     out_dir: str | os.PathLike[str], reason: str, judge: Judge | None = None
 ) -> pd.DataFrame | None:
     """Finish a stopped run's folder from outside its writer (the launcher, when rank 0 was killed before it
-    could call ``finalize(incomplete=...)``): ``render_folder(DIR, judge, incomplete=reason)``. None
+    could call ``finalize(incomplete=...)``): ``render_folder(DIR, judge=judge, incomplete=reason)``. None
     (nothing written) when rank 0 never wrote meta.json."""
     if not (Path(out_dir) / "meta.json").exists():
         return None
-    return render_folder(out_dir, judge, incomplete=reason)
+    return render_folder(out_dir, judge=judge, incomplete=reason)
 
 
 def _one_line_reason(reason: str) -> str:
