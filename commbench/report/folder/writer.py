@@ -252,8 +252,8 @@ def render_folder(
 ) -> pd.DataFrame:
     """Render a report folder from its files: results.parquet, results.json, summary.md and report.html
     (+ verdict.json and junit.xml from ``judge``'s verdict; without a judge the folder's own verdict.json is
-    shown again, never rewritten). The one rendering path: the end of a run, ``commbench report DIR`` and a
-    stopped run.
+    shown again, never rewritten; a stopped run finished without a judge shows none). The one rendering
+    path: the end of a run, ``commbench report DIR`` and a stopped run.
 
     ``incomplete``: the run was stopped and this is why (one line): meta.json gets ``status: "incomplete"``
     and ``incomplete_reason`` (the only write to meta.json), and the pages say INCOMPLETE at the top; a
@@ -270,7 +270,10 @@ def render_folder(
     frame = results_frame(folder.results, spec)
     frame.attrs["meta"] = meta  # the stdout table's header reads it (report.console)
     ranks = rank_frame(folder.ranks)
-    verdict = judge(frame, ranks, meta) if judge is not None else folder.verdict
+    if judge is not None:
+        verdict: Verdict | None = judge(frame, ranks, meta)
+    else:  # a re-render shows the folder's own verdict; a stopped run finished unjudged has none
+        verdict = folder.verdict if incomplete is None else None
     pages = report_pages(frame, ranks, meta, spec, verdict, folder.extras, new_verdict=judge is not None)
     if incomplete is not None:
         write_atomic(path / "meta.json", json.dumps(plain(meta), indent=2) + "\n")
