@@ -86,8 +86,6 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
         health.finish(comm, writer, extra)
         if profiled is not None:
             profiled.finish(names)
-        if plan.config.profiler.torch_profiler:  # every rank's capture is written: their cases ended first
-            writer.read_kineto()
     except BaseException as stopped_by:
         from commbench.cli.plan import incomplete_reason
 
@@ -243,8 +241,8 @@ class _Health:
         after = comm.all_gather_object(self.watch.finish())
         if comm.rank != 0 or writer is None:
             return
+        from commbench.report.folder.reading import HEALTH_FILE
         from commbench.report.judge.preflight import counter_elements, health_frame
-        from commbench.report.pages.sections import HEALTH_FILE
         from commbench.run.liveness import deferred_stop
 
         found = counter_elements(self.before, after, self.names, max_increase=self.tolerance)

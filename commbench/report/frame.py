@@ -5,10 +5,9 @@ Harness rows hold bytes and times only. ``results_frame`` adds every derived col
 columns are always recomputed, so a re-render with another spec never trusts stale saved figures.
 ``CONVENTIONS`` says what every figure means; it is printed in summary.md, report.html and results.json.
 
-Both frames take their rows in one form (``canonical_rows``), whether the rows are the harness's dicts in
-memory or results.csv / ranks.csv read back (``report.reading``): a CSV holds text and empty cells only, so
-the form is what a CSV can hold, and a re-render (``commbench report DIR``) writes the same results.json and
-results.parquet as the run did.
+Pages are rendered from a folder's files alone (``report.folder.writer.render_folder``), so the rows come
+typed from ``report.folder.reading``; the harness's rows in memory only pass through here on their way into
+results.csv.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import pandas as pd
 
 from commbench.errors import UsageError
 from commbench.inputs.specs import SystemSpec, load_spec
-from commbench.plain import is_missing, knobs_text
+from commbench.plain import knobs_text
 
 # Every convention a reader needs to interpret the numbers; shown in summary.md, report.html and results.json.
 CONVENTIONS = """\
@@ -137,80 +136,13 @@ RANK_DERIVED_COLUMNS = tuple(f"{c}_{d}_GBps" for c in RANK_CLASSES for d in ("se
 
 _REQUIRED_COLUMNS = ("size_bytes", "time_us_p50", "max_send_link_bytes", "max_recv_link_bytes")
 
-# Text columns the harness writes: text in every frame, even where no row has a value (a balanced
-# all-to-all has no skew), so that pandas never guesses their type from the values at hand.
-TEXT_COLUMNS = (
-    "pattern",
-    "phase",
-    "backend",
-    "backend_name",
-    "skew",
-    "send_mode",
-    "dispatch_dtype",
-    "layout_source",
-    "nvlink_bottleneck_dir",
-    "scaleout_bottleneck_dir",
-    "check",
-    "knobs",
-    "spec_name",
-)
-# Text columns whose "nothing" is "" (no knobs; a link class that carries nothing has no direction), never a
-# missing value: an empty CSV cell cannot tell the two apart, and the harness writes "".
-EMPTY_AS_TEXT = ("knobs", "nvlink_bottleneck_dir", "scaleout_bottleneck_dir")
-_NUMBER_TYPES = (int, float, np.integer, np.floating)
 
-
-def _missing(value: Any) -> bool:
-    """An empty cell: None or NaN, or pd.NA (a caller's frame may hold pandas' nullable dtypes)."""
-    return is_missing(value) or value is pd.NA
-
-
-def canonical_rows(frame: pd.DataFrame) -> pd.DataFrame:
-    """``frame`` with its columns in the form rows take in every frame, from memory or read back from a CSV
-    (whose cells are text or empty), so both give the same frame, results.json and results.parquet:
-
-    - ``knobs``: "k=v k=v" text (``plain.knobs_text``), as the files hold it; a dict in memory;
-    - ``TEXT_COLUMNS``: text (pandas' text dtype), missing values missing, "" in ``EMPTY_AS_TEXT`` columns;
-    - any other column of Python objects: numbers where its values are numbers or missing (float64 with
-      NaN: memory holds None, e.g. an MoE phase's rank rows have no size_bytes, where a CSV has an empty
-      cell); text of each value where they mix kinds (a knob that is 4 in one row and "auto" in another),
-      as their cells read back; missing values None.
-
-    Columns pandas already holds as numbers, booleans or text keep their type: both sources agree there.
-    ``frame`` itself is changed (callers pass their own copy) and returned."""
-    text_dtype = pd.Series([""]).dtype  # this pandas' text dtype: "str" (pandas 3), object (pandas 2)
-    for column in frame.columns:
-        values = frame[column]
-        if column == "knobs":
-            frame[column] = pd.Series([knobs_text(v) for v in values], index=frame.index, dtype=text_dtype)
-        elif column in TEXT_COLUMNS:
-            frame[column] = _text(values, "" if column in EMPTY_AS_TEXT else None, text_dtype)
-        elif values.dtype == object:
-            frame[column] = _objects(values, text_dtype)
-    return frame
-
-
-def _text(values: pd.Series, empty: str | None, text_dtype: Any) -> pd.Series:
-    """``values`` as text, missing values ``empty`` (None: missing)."""
-    if values.dtype == text_dtype and not pd.api.types.is_object_dtype(values):  # pandas 3 text: fill gaps
-        return values if empty is None else values.fillna(empty)
-    cells = [empty if _missing(value) else str(value) for value in values]
-    return pd.Series(cells, index=values.index, dtype=text_dtype)
-
-
-def _objects(values: pd.Series, text_dtype: Any) -> pd.Series:
-    """A column of Python objects that is not one of the harness's text columns (a backend's knob column,
-    a number column that is None in every row), as its CSV cells read back."""
-    cells = [None if _missing(value) else value for value in values]
-    present = [value for value in cells if value is not None]
-    if all(isinstance(value, _NUMBER_TYPES) and not isinstance(value, (bool, np.bool_)) for value in present):
-        numbers = pd.to_numeric(pd.Series(cells, index=values.index, dtype=object))
-        return values if numbers.dtype == object else numbers  # whole numbers beyond int64 stay as they are
-    if all(isinstance(value, (bool, np.bool_)) for value in present):
-        return pd.Series(cells, index=values.index, dtype=object if len(present) < len(cells) else bool)
-    if not all(isinstance(value, str) for value in present):
-        cells = [None if value is None else str(value) for value in cells]
-    return pd.Series(cells, index=values.index, dtype=text_dtype)
+def emulated_rows(frame: pd.DataFrame) -> pd.Series:
+    """Per row, whether it comes from an emulated backend (mock, sim, shmem-emu): the ``emulated`` bool of
+    the harness's rows, which a folder read back holds as a bool too (``report.folder.reading``)."""
+    if "emulated" not in frame.columns:
+        return pd.Series(False, index=frame.index, dtype=bool)
+    return frame["emulated"].eq(True)
 
 
 def gbps(num_bytes: pd.Series, time_us: pd.Series) -> pd.Series:
@@ -229,7 +161,10 @@ def _numeric(frame: pd.DataFrame, column: str) -> pd.Series:
 
 def _as_frame(rows: Iterable[dict[str, Any]] | pd.DataFrame, derived: Iterable[str]) -> pd.DataFrame:
     frame = rows.copy() if isinstance(rows, pd.DataFrame) else pd.DataFrame(list(rows))
-    return canonical_rows(frame.drop(columns=[c for c in derived if c in frame.columns]))
+    frame = frame.drop(columns=[c for c in derived if c in frame.columns])
+    if "knobs" in frame.columns:  # a frame's knobs are their file text ("k=v k=v"), as results.csv holds them
+        frame["knobs"] = [knobs_text(knobs) for knobs in frame["knobs"]]
+    return frame
 
 
 def results_frame(

@@ -1,9 +1,8 @@
 """Backend knob settings in the report: a dict in memory, "k=v k=v" text in the files, and a sweep's setting.
 
 The harness gives every row its knob setting as a dict (``row["knobs"]``); the files hold it as one text
-cell ("chunk_rows=4 signal=chunk"), and so does every results frame (``frame.canonical_rows`` turns the
-dict into that text, so a report rendered in the process that ran the jobs and one re-rendered from disk
-(``commbench report DIR``) are the same). ``knob_setting`` reads either form. The tables and plots show a
+cell ("chunk_rows=4 signal=chunk"), and so does every results frame (``frame.results_frame`` turns the
+dict into that text, ``plain.knobs_text``). ``knob_setting`` reads either form. The tables and plots show a
 "knobs" column (``KNOB_SETTING_COLUMN``) with the knobs whose values differ between rows, and none when
 every row ran with the same setting.
 """

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 
 from commbench.cli import cli
-from tests.report.test_baseline import make_folder
+from tests.report.judge.test_baseline import make_folder
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 SIZES = [1024, 2048, 4096]

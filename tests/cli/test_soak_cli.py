@@ -17,7 +17,8 @@ SOAK = ["suite", "--quick", "--world-size", "4", "--backend", "gloo", "--no-pair
 def test_a_short_soak_repeats_the_cases_and_judges_their_drift(tmp_path: Path) -> None:
     out = tmp_path / "soak"
     # gloo windows of a few seconds on 2 shared cores swing by 2x: the drift rule itself is tested on fixed
-    # figures (tests/report/test_soak.py); here its limits are opened so that only the run's shape is checked.
+    # figures (tests/report/analysis/test_soak.py); here its limits are opened so that only the run's shape
+    # is checked.
     limits = ["--limit", "soak.drift_warn_pct=99", "--limit", "soak.drift_fail_pct=100"]
     result = commbench([*SOAK, "--soak", "4s", *limits, "--out", str(out)], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -219,8 +219,8 @@ def test_backends_that_move_no_data_report_wrong_na(backend_class):
     table = results_table(frame)
     assert "# Total #wrong         : n/a (no data moved)" in table and "DATA MISMATCH" not in table
     assert "# check: n/a (no data moved" in table
-    for _, rendered in pattern_tables(frame, "markdown"):
-        wrong_cells = [line.rsplit("|", 2)[-2].strip() for line in rendered.splitlines()[2:]]
+    for _, table in pattern_tables(frame):
+        wrong_cells = [line.rsplit("|", 2)[-2].strip() for line in table.markdown().splitlines()[2:]]
         assert wrong_cells and set(wrong_cells) == {"n/a"}
 
 

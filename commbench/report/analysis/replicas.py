@@ -20,7 +20,8 @@ import pandas as pd
 
 from commbench.plain import is_missing
 from commbench.report.knobs import knob_setting
-from commbench.report.pages.tables import fmt_int, format_table
+from commbench.report.pages.render import Section, Text
+from commbench.report.pages.tables import Table, fmt_int, format_table
 from commbench.traffic.pattern import Pattern, build_pattern
 from commbench.traffic.replicas import Placement
 from commbench.traffic.routing import RoutingConfig, replica_placement
@@ -67,9 +68,9 @@ def _phase_figures(rows: pd.DataFrame) -> dict[str, float]:
     return figures
 
 
-def replicas_table(frame: pd.DataFrame, style: str = "text") -> str | None:
-    """The "What EPLB replicas buy" table (``format_table`` in ``style``: text, markdown or html) of a
-    results frame; None when no MoE case ran with --replicas next to the same case without."""
+def replicas_table(frame: pd.DataFrame) -> Table | None:
+    """The "What EPLB replicas buy" table of a results frame; None when no MoE case ran with --replicas
+    next to the same case without."""
     needed = {*_CASE, "phase", "knobs", "time_us_p50", "max_recv_bytes", "total_bytes"}
     if frame.empty or not needed <= set(frame.columns):
         return None
@@ -105,7 +106,13 @@ def replicas_table(frame: pd.DataFrame, style: str = "text") -> str | None:
     for phase in ("dispatch", "combine"):
         headers += [f"{phase} p50 without (us)", "with (us)", "ratio"]
     text_columns = (0, 1, 3) if swept else (0, 1)
-    return format_table(headers, table_rows, style, text_columns=text_columns)
+    return Table(headers, table_rows, text_columns=text_columns, wide=True)
+
+
+def replicas_section(frame: pd.DataFrame) -> Section | None:
+    """The page's "What EPLB replicas buy" section, or None (no case ran with and without --replicas)."""
+    table = replicas_table(frame) if not frame.empty else None
+    return None if table is None else Section("What EPLB replicas buy", (Text(REPLICAS_NOTE), table))
 
 
 def _rank_load_ratio(pattern: Pattern) -> float:

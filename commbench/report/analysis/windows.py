@@ -6,7 +6,8 @@ from __future__ import annotations
 import pandas as pd
 
 from commbench.report.knobs import KNOB_SETTING_COLUMN
-from commbench.report.pages.tables import fmt_float, fmt_text, format_bandwidth, format_table
+from commbench.report.pages.render import Section, Text
+from commbench.report.pages.tables import Table, fmt_float, fmt_text, format_bandwidth
 
 # What makes a case: its rows in different windows differ only in their "window" column.
 _CASE_COLUMNS = ("pattern", "skew", "phase", "size_bytes", KNOB_SETTING_COLUMN)
@@ -46,7 +47,7 @@ def _stats(values: pd.Series) -> tuple[float, float, float]:
     return float(values.min()), float(values.median()), float(values.max())
 
 
-def window_spread_table(frame: pd.DataFrame, style: str) -> str | None:
+def window_spread_table(frame: pd.DataFrame) -> Table | None:
     """One row per case that ran in more than one window; None when no case did."""
     if frame.empty or "window" not in frame.columns:
         return None
@@ -83,4 +84,10 @@ def window_spread_table(frame: pd.DataFrame, style: str) -> str | None:
         "pattern", "case", "phase", "windows", "busbw min(GB/s)", "busbw median(GB/s)", "busbw max(GB/s)",
         "spread(%)", "skew cost min", "skew cost median", "skew cost max",
     ]  # fmt: skip
-    return format_table(headers, rows, style, text_columns={0, 1, 2})
+    return Table(headers, rows, text_columns={0, 1, 2}, wide=True)
+
+
+def window_spread_section(frame: pd.DataFrame) -> Section | None:
+    """The page's "Spread over windows" section, or None when no case ran in several windows."""
+    table = window_spread_table(frame)
+    return None if table is None else Section("Spread over windows", (Text(WINDOW_NOTE), table))

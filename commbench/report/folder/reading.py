@@ -12,9 +12,14 @@ malformed:
   ``phase``, and numbers in numeric columns (finite; whole numbers within int64 in byte, count and rank
   columns). Empty cells are missing values (a balanced row has no skew, mock's #wrong is n/a).
 
-Only empty cells read as missing: text such as "n/a" or "None" stays text, as the run wrote it. The rows come
-back in the form the run's rows had in memory (``report.frame.canonical_rows``), so a re-render writes the
-same results.json and results.parquet as the run.
+Only empty cells read as missing: text such as "n/a" or "None" stays text, as the run wrote it. Every column
+comes back typed once, here (``typed_rows``): text columns as text ("" where nothing is "", e.g. no knobs),
+numbers as numbers, ``emulated`` as a bool; the pages are rendered from this read-back alone, at the end of a
+run and on a re-render alike, so both write the same files.
+
+``read_folder`` reads a whole folder at once (``ReportFolder``): meta.json, results.csv, ranks.csv, the
+tables beside them (pairs.csv, health.csv, the profiler's profile.csv, arrivals.csv and peers.csv), the
+torch.profiler traces under kineto/ and verdict.json.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from __future__ import annotations
 import csv
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +37,10 @@ import pandas as pd
 
 from commbench.errors import UsageError
 from commbench.inputs.userfiles import clip, decode_user_text, kind_of, load_json, read_user_bytes, show_path
-from commbench.report.frame import TEXT_COLUMNS, canonical_rows
+from commbench.plain import is_missing, knobs_text
+from commbench.report.judge.pairs import PAIRS_FILE
+from commbench.report.judge.verdict import VERDICT_FILE, Verdict, read_verdict_json
+from commbench.report.profiler.profile import ARRIVALS_FILE, PEERS_FILE, PROFILE_FILE
 
 # meta.json holds the environment and the layout (a few KiB; ~100 bytes per rank): 32 MiB is ~300,000 ranks.
 MAX_META_BYTES = 32 << 20
@@ -40,7 +49,83 @@ MAX_CSV_BYTES = 256 << 20
 
 _DAMAGED = "the file is cut or damaged: restore it or run the benchmark again"
 
-# Text columns (report.frame.TEXT_COLUMNS) are read as text, exactly as written; these may not be empty.
+# Text columns the harness writes: text in every frame, even where no row has a value (a balanced
+# all-to-all has no skew), so that pandas never guesses their type from the values at hand.
+TEXT_COLUMNS = (
+    "pattern",
+    "phase",
+    "backend",
+    "backend_name",
+    "skew",
+    "send_mode",
+    "dispatch_dtype",
+    "layout_source",
+    "nvlink_bottleneck_dir",
+    "scaleout_bottleneck_dir",
+    "check",
+    "knobs",
+    "spec_name",
+)
+# Text columns whose "nothing" is "" (no knobs; a link class that carries nothing has no direction), never a
+# missing value: an empty CSV cell cannot tell the two apart, and the harness writes "".
+EMPTY_AS_TEXT = ("knobs", "nvlink_bottleneck_dir", "scaleout_bottleneck_dir")
+_NUMBER_TYPES = (int, float, np.integer, np.floating)
+HEALTH_FILE = "health.csv"
+KINETO_FOLDER = "kineto"
+
+
+def _missing(value: Any) -> bool:
+    """An empty cell: None or NaN (or pd.NA)."""
+    return is_missing(value) or value is pd.NA
+
+
+def typed_rows(frame: pd.DataFrame) -> pd.DataFrame:
+    """The columns of rows read from a CSV, typed once:
+
+    - ``knobs``: "k=v k=v" text (``plain.knobs_text``), "" for none;
+    - ``TEXT_COLUMNS``: text (pandas' text dtype), missing values missing, "" in ``EMPTY_AS_TEXT`` columns;
+    - ``emulated``: a bool (True / False cells; missing only where an older file left it empty);
+    - any other column pandas left as objects: bools where its cells are True / False, else the text of each
+      cell (a knob that is 4 in one row and "auto" in another); missing values None.
+
+    Columns pandas already holds as numbers, booleans or text keep their type. ``frame`` itself is changed
+    and returned."""
+    text_dtype = pd.Series([""]).dtype  # this pandas' text dtype: "str" (pandas 3), object (pandas 2)
+    for column in frame.columns:
+        values = frame[column]
+        if column == "knobs":
+            frame[column] = pd.Series([knobs_text(v) for v in values], index=frame.index, dtype=text_dtype)
+        elif column in TEXT_COLUMNS:
+            frame[column] = _text(values, "" if column in EMPTY_AS_TEXT else None, text_dtype)
+        elif values.dtype == object:
+            frame[column] = _objects(values, text_dtype)
+    return frame
+
+
+def _text(values: pd.Series, empty: str | None, text_dtype: Any) -> pd.Series:
+    """``values`` as text, missing values ``empty`` (None: missing)."""
+    if values.dtype == text_dtype and not pd.api.types.is_object_dtype(values):  # pandas 3 text: fill gaps
+        return values if empty is None else values.fillna(empty)
+    cells = [empty if _missing(value) else str(value) for value in values]
+    return pd.Series(cells, index=values.index, dtype=text_dtype)
+
+
+def _objects(values: pd.Series, text_dtype: Any) -> pd.Series:
+    """A column of Python objects that is not one of the harness's text columns (a backend's knob column,
+    a number column that is None in every row), as its CSV cells read back."""
+    cells = [None if _missing(value) else value for value in values]
+    present = [value for value in cells if value is not None]
+    if all(isinstance(value, _NUMBER_TYPES) and not isinstance(value, (bool, np.bool_)) for value in present):
+        numbers = pd.to_numeric(pd.Series(cells, index=values.index, dtype=object))
+        return values if numbers.dtype == object else numbers  # whole numbers beyond int64 stay as they are
+    if all(isinstance(value, (bool, np.bool_)) for value in present):
+        return pd.Series(cells, index=values.index, dtype=object if len(present) < len(cells) else bool)
+    if not all(isinstance(value, str) for value in present):
+        cells = [None if value is None else str(value) for value in cells]
+    return pd.Series(cells, index=values.index, dtype=text_dtype)
+
+
+# Text columns (TEXT_COLUMNS) are read as text, exactly as written; these may not be empty.
 _NON_EMPTY = ("pattern", "phase")
 RESULT_COLUMNS = (
     "pattern",
@@ -131,6 +216,15 @@ def read_meta(path: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
+def incomplete_reason(meta: Mapping[str, Any]) -> str | None:
+    """Why a stopped run's report is incomplete (meta.json ``status`` "incomplete"), or None for a run that
+    finished."""
+    if meta.get("status") != "incomplete":
+        return None
+    reason = meta.get("incomplete_reason")
+    return reason if isinstance(reason, str) and reason else "the run stopped before every case finished"
+
+
 def _check_types(values: dict[str, Any], types: dict[str, tuple[type, ...]], where: str, prefix: str) -> None:
     for key, allowed in types.items():
         if key in values and not isinstance(values[key], allowed):
@@ -177,9 +271,7 @@ def read_rows(path: str | os.PathLike[str], required: Sequence[str] = RESULT_COL
         whole = column in _WHOLE_NAMES or column.endswith(_WHOLE_SUFFIXES)
         if whole or column in _NUMBER_NAMES or column.endswith(_NUMBER_SUFFIXES):
             frame[column] = _numbers(frame[column], whole, where, lines)
-    # The form rows have in memory too (report.frame.canonical_rows): "" in knobs and the bottleneck
-    # directions, text columns as text even when every cell is empty, so a re-render writes what the run did.
-    return canonical_rows(frame)
+    return typed_rows(frame)
 
 
 def read_table(path: str | os.PathLike[str], required: Sequence[str]) -> pd.DataFrame:
@@ -250,20 +342,97 @@ def _numbers(values: pd.Series, whole: bool, where: str, lines: list[int]) -> pd
     return values if parsed else numbers
 
 
-def read_report(out_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
+def read_report(
+    out_dir: str | os.PathLike[str], stopped: bool = False
+) -> tuple[dict[str, Any], pd.DataFrame, pd.DataFrame]:
     """(meta, results rows, rank rows) of a report folder, as written, every file checked; UsageError naming
-    the file. A stopped run (meta.json status "incomplete") may have no results.csv yet, and a run of the
-    pairwise link test alone (pairs.csv) has none: no rows."""
+    the file. A stopped run (``stopped``, or meta.json status "incomplete") may have no results.csv yet, and
+    a run of the pairwise link test alone (pairs.csv) has none: no rows."""
     path = Path(out_dir)
     meta_path = path / "meta.json"
     meta = read_meta(meta_path) if meta_path.exists() else {}
     results_csv = path / "results.csv"
     if results_csv.exists():
         results = read_rows(results_csv, RESULT_COLUMNS)
-    elif meta.get("status") == "incomplete" or (meta and (path / "pairs.csv").is_file()):
+    elif stopped or meta.get("status") == "incomplete" or (meta and (path / "pairs.csv").is_file()):
         results = pd.DataFrame()
     else:
         raise UsageError(f"{str(results_csv)!r} not found; pass a report folder written by 'commbench run'")
     ranks_csv = path / "ranks.csv"
     ranks = read_rows(ranks_csv, RANK_COLUMNS) if ranks_csv.exists() else pd.DataFrame()
     return meta, results, ranks
+
+
+@dataclass(frozen=True)
+class ExtraTables:
+    """What a run wrote beside results.csv and ranks.csv (empty frames when it did not)."""
+
+    pairs: pd.DataFrame = field(default_factory=pd.DataFrame)  # the pairwise link test: pairs.csv
+    health: pd.DataFrame = field(default_factory=pd.DataFrame)  # GPU health before and after: health.csv
+    profile: pd.DataFrame = field(default_factory=pd.DataFrame)  # --profile: profile.csv
+    arrivals: pd.DataFrame = field(default_factory=pd.DataFrame)  # arrivals.csv
+    peers: pd.DataFrame = field(default_factory=pd.DataFrame)  # peers.csv
+    kineto: Any = None  # --torch-profiler: profiler.kineto_overlap.KinetoOverlap of kineto/rank<R>.json
+
+
+# The profiler's long tables, appended as phases finish: file -> ExtraTables field.
+EXTRA_APPENDED = {PROFILE_FILE: "profile", ARRIVALS_FILE: "arrivals", PEERS_FILE: "peers"}
+# The tables written whole (replaced by a later write): file -> ExtraTables field.
+EXTRA_WHOLE = {PAIRS_FILE: "pairs", HEALTH_FILE: "health"}
+_EXTRA_REQUIRED = {
+    PAIRS_FILE: ("test", "src", "dst", "size_bytes", "time_us", "link_class"),
+    HEALTH_FILE: ("rank", "host", "device"),
+    PROFILE_FILE: ("phase", "rank", "iteration", "step", "us"),
+    ARRIVALS_FILE: ("phase", "rank", "iteration", "entered_us", "waited_us"),
+    PEERS_FILE: ("phase", "src", "dst", "iteration", "seen_us"),
+}
+
+
+def read_extra_tables(out_dir: str | os.PathLike[str]) -> ExtraTables:
+    """The tables beside results.csv (pairs.csv, health.csv, profile.csv, arrivals.csv, peers.csv) and the
+    kineto/ traces of a report folder, each checked as results.csv is (UsageError naming the file)."""
+    folder = Path(out_dir)
+    tables = {
+        name: read_table(folder / file, _EXTRA_REQUIRED[file])
+        if (folder / file).is_file()
+        else pd.DataFrame()
+        for file, name in {**EXTRA_WHOLE, **EXTRA_APPENDED}.items()
+    }
+    return ExtraTables(kineto=read_kineto(folder), **tables)
+
+
+def read_kineto(folder: str | os.PathLike[str]) -> Any:
+    """The overlap analysis of a folder's kineto/ traces, or None when it has none."""
+    from commbench.report.profiler.kineto_overlap import overlap_from_folder, trace_files
+
+    traces = Path(folder) / KINETO_FOLDER
+    if not traces.is_dir() or not trace_files(traces):
+        return None
+    return overlap_from_folder(traces)
+
+
+def read_saved_verdict(out_dir: str | os.PathLike[str]) -> Verdict | None:
+    """The folder's verdict.json read back, or None when it has none."""
+    path = Path(out_dir) / VERDICT_FILE
+    return read_verdict_json(path) if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class ReportFolder:
+    """Every file of a report folder read back and checked: what the pages are rendered from."""
+
+    path: Path
+    meta: dict[str, Any]
+    results: pd.DataFrame  # results.csv as written (bytes and times; no bandwidth column trusted)
+    ranks: pd.DataFrame  # ranks.csv
+    extras: ExtraTables
+    verdict: Verdict | None  # verdict.json, None when the folder has none
+
+
+def read_folder(out_dir: str | os.PathLike[str], stopped: bool = False) -> ReportFolder:
+    """Every file of a report folder (meta.json, results.csv, ranks.csv, ``ExtraTables``, verdict.json), each
+    checked before anything is rendered; UsageError naming the first file that is refused. ``stopped``: a
+    run being finished as stopped (it may have no results.csv)."""
+    meta, results, ranks = read_report(out_dir, stopped)
+    extras = read_extra_tables(out_dir)
+    return ReportFolder(Path(out_dir), meta, results, ranks, extras, read_saved_verdict(out_dir))

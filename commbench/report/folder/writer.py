@@ -1,16 +1,22 @@
-"""The files of a report folder: the folder claimed, CSVs appended as phases finish, parquet, JSON, meta.json.
+"""The files of a report folder: the folder claimed, CSVs appended as phases finish, and ``render_folder``,
+the one path that renders its pages from the files.
 
 A report folder holds ``meta.json`` (arguments, environment, spec), ``results.csv`` and ``ranks.csv``
-(appended after every phase, so a crash loses nothing finished) and, once the run ends, ``results.parquet``,
-``results.json`` (nccl-tests-like), ``summary.md`` and ``report.html``. ``render_report`` rebuilds the last
-four from the first three (``commbench report DIR``), after checking them (``report.reading``). In memory a
-row's knobs are a dict; in every file they are one "k=v k=v" text cell (``plain.knobs_text``).
+(appended after every phase, so a crash loses nothing finished), the profiler's and the pairwise test's
+tables beside them and, once rendered, ``results.parquet``, ``results.json`` (nccl-tests-like),
+``summary.md`` and ``report.html`` (+ ``verdict.json`` and ``junit.xml`` when judged). ``render_folder``
+reads every file back checked (``report.folder.reading.read_folder``) and renders the pages from what it
+read, whoever calls it: ``ReportWriter.finalize`` at the end of a run, ``commbench report DIR``, and the
+launcher for a run whose rank 0 is gone. In memory a row's knobs are a dict; in every file they are one
+"k=v k=v" text cell (``plain.knobs_text``).
 
-Every file is written atomically and CSV rows are appended whole (``report.folder``); a write that fails
-(full disk, file-size limit) is a one-line ``ReportWriteError`` (exit 2) and leaves only whole files. A run
-that was stopped is finished with ``ReportWriter.finalize(incomplete=REASON)`` (or, from the launcher when
-rank 0 is gone, ``mark_incomplete(DIR, REASON)``): meta.json's ``status`` says "incomplete"
-(``incomplete_reason`` why), and summary.md, report.html and results.json say INCOMPLETE at the top.
+Every file is written atomically and CSV rows are appended whole (``report.folder.claim``); a write that
+fails (full disk, file-size limit) is a one-line ``ReportWriteError`` (exit 2) and leaves only whole files.
+Every file is checked and every page built in memory before the first is written, so a folder that is
+refused is left exactly as it was; results.csv, ranks.csv and meta.json are never written by a render
+(meta.json only gets ``status: "incomplete"`` and ``incomplete_reason`` when a stopped run is finished:
+``render_folder(DIR, incomplete=REASON)``), and summary.md, report.html and results.json then say INCOMPLETE
+at the top.
 """
 
 from __future__ import annotations
@@ -20,12 +26,13 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
+from commbench.errors import UsageError
 from commbench.inputs.specs import NO_SPEC_NAME, SystemSpec, load_spec, no_spec, spec_from_dict
 from commbench.inputs.userfiles import clip
 from commbench.plain import is_missing, knobs_text, plain
@@ -38,18 +45,25 @@ from commbench.report.folder.claim import (
     csv_text,
     write_atomic,
 )
-from commbench.report.folder.reading import RANK_COLUMNS, RESULT_COLUMNS, read_meta, read_report, read_rows
+from commbench.report.folder.reading import (
+    EXTRA_APPENDED,
+    EXTRA_WHOLE,
+    RESULT_COLUMNS,
+    ExtraTables,
+    incomplete_reason,
+    read_folder,
+    read_rows,
+    read_saved_verdict,
+)
 from commbench.report.frame import (
     CONVENTIONS,
     average_bus_bandwidth,
     balanced_rows,
-    canonical_rows,
     rank_frame,
     results_frame,
 )
 from commbench.report.judge.junit import write_junit
-from commbench.report.judge.pairs import PAIRS_FILE
-from commbench.report.judge.verdict import VERDICT_FILE, Verdict, read_verdict_json, write_verdict_json
+from commbench.report.judge.verdict import Verdict, write_verdict_json
 from commbench.report.pages.console import (
     REDOP,
     ROOT,
@@ -58,14 +72,7 @@ from commbench.report.pages.console import (
     per_peer_count,
     sweep_config,
 )
-from commbench.report.pages.html import incomplete_reason, report_html, summary_markdown
-from commbench.report.pages.sections import (
-    EXTRA_APPENDED,
-    HEALTH_FILE,
-    ExtraTables,
-    read_extra_tables,
-    read_kineto,
-)
+from commbench.report.pages.sections import report_html, summary_markdown
 
 # Judges a finished (or stopped) run: (results frame, rank frame, meta) -> its Verdict (cli.acceptance).
 Judge = Callable[[pd.DataFrame, pd.DataFrame, dict[str, Any]], Verdict]
@@ -128,13 +135,14 @@ def file_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
 
 
 class ReportWriter:
-    """Writes one report folder: CSVs appended as phases finish, the rest in ``finalize``.
+    """Writes one report folder: CSVs appended as phases finish, the pages rendered from them in ``finalize``.
 
     ``meta`` is saved as meta.json at once (typically {"args": ..., "env": ...}) with the spec's ``spec`` and
     ``system_spec`` entries; ``spec`` None takes the spec ``meta`` names (``spec_from_meta``). ``claim`` is
     the token of a claim made before launching (``claim_out_dir`` in the launcher); None claims the folder
-    now. After a failed write (ReportWriteError, raised once) the writer writes nothing more: the folder
-    keeps the whole files it had.
+    now; ``resume``: the interrupted run's rows stay and new ones are appended after them. After a failed
+    write (ReportWriteError, raised once) the writer writes nothing more: the folder keeps the whole files
+    it had.
     """
 
     def __init__(
@@ -164,25 +172,17 @@ class ReportWriter:
             raise
         self._results = CsvAppender(self.out_dir / "results.csv")
         self._ranks = CsvAppender(self.out_dir / "ranks.csv")
-        self._rows: list[dict[str, Any]] = []
-        self._rank_rows: list[dict[str, Any]] = []
-        self._extras = read_extra_tables(self.out_dir) if resume else ExtraTables()
         self._appenders: dict[str, CsvAppender] = {}
         if resume:  # --resume: the interrupted run's rows stay, new ones are appended after them
-            for appender, rows, name, columns in (
-                (self._results, self._rows, "results.csv", RESULT_COLUMNS),
-                (self._ranks, self._rank_rows, "ranks.csv", RANK_COLUMNS),
-            ):
-                appender.continue_file()
-                if (self.out_dir / name).exists():
-                    rows.extend(read_rows(self.out_dir / name, columns).to_dict("records"))
+            self._results.continue_file()
+            self._ranks.continue_file()
 
-    def _guarded(self, write: Any, *args: Any) -> None:
+    def _guarded(self, write: Any, *args: Any) -> Any:
         """Run one write; the first failure is remembered, and every later write refused with it."""
         if self._failed is not None:
             raise self._failed
         try:
-            write(*args)
+            return write(*args)
         except ReportWriteError as exc:
             self._failed = exc
             raise
@@ -195,111 +195,108 @@ class ReportWriter:
         per-rank GB/s), whole rows only."""
         if rows:
             self._guarded(self._results.append, file_records(results_frame(rows, self.spec)))
-            self._rows.extend(rows)
         if rank_rows:
             self._guarded(self._ranks.append, file_records(rank_frame(rank_rows)))
-            self._rank_rows.extend(rank_rows)
 
     def append_table(self, name: str, rows: list[dict[str, Any]]) -> None:
         """Append whole rows to one of the profiler's long tables (``EXTRA_APPENDED``: profile.csv,
         arrivals.csv, peers.csv) as phases finish; the pages show them."""
         if not rows:
             return
+        if name not in EXTRA_APPENDED:
+            raise ValueError(f"{name} is not one of the appended tables ({', '.join(EXTRA_APPENDED)})")
         appender = self._appenders.get(name)
         if appender is None:
             appender = self._appenders[name] = CsvAppender(self.out_dir / name)
         self._guarded(appender.append, file_records(pd.DataFrame(rows)))
-        field = EXTRA_APPENDED[name]
-        old = getattr(self._extras, field)
-        frame = canonical_rows(pd.DataFrame(rows))
-        self._extras = replace(self._extras, **{field: pd.concat([old, frame], ignore_index=True)})
-
-    def read_kineto(self) -> None:
-        """The ranks' torch.profiler traces (kineto/rank<R>.json) into the pages' overlap section."""
-        self._extras = replace(self._extras, kineto=read_kineto(self.out_dir))
 
     def write_file(self, name: str, text: str) -> None:
         """One more whole file in the folder (trace.json), written atomically."""
         self._write(self.out_dir / name, text)
 
     def set_table(self, name: str, rows: list[dict[str, Any]]) -> None:
-        """Write one of the tables beside results.csv whole (``PAIRS_FILE``: the pairwise link test,
-        ``HEALTH_FILE``: GPU health), replacing an earlier one; the pages show it."""
+        """Write one of the tables beside results.csv whole (``EXTRA_WHOLE``: pairs.csv, the pairwise link
+        test; health.csv, GPU health), replacing an earlier one; the pages show it."""
+        if name not in EXTRA_WHOLE:
+            raise ValueError(f"{name} is not one of the whole tables ({', '.join(EXTRA_WHOLE)})")
         frame = pd.DataFrame(rows)
-        columns = list(frame.columns)
-        self._write(self.out_dir / name, csv_text(file_records(frame), columns, header=True))
-        field = {PAIRS_FILE: "pairs", HEALTH_FILE: "health"}[name]
-        self._extras = replace(self._extras, **{field: canonical_rows(frame)})
+        self._write(self.out_dir / name, csv_text(file_records(frame), list(frame.columns), header=True))
 
     def finalize(self, incomplete: str | None = None, judge: Judge | None = None) -> pd.DataFrame:
-        """Write results.parquet, results.json, the verdict (verdict.json, junit.xml: ``judge``'s), summary.md
-        and report.html from the rows added; return the results frame (``attrs["verdict"]``: the verdict).
+        """Render the folder (``render_folder``: results.parquet, results.json, the verdict of ``judge``,
+        summary.md and report.html from the files written); return the results frame (``attrs["verdict"]``:
+        the verdict, ``attrs["meta"]``: meta.json).
 
         ``incomplete``: the run was stopped (a signal, a failure) and this is why, in one line: meta.json gets
         ``status: "incomplete"`` and ``incomplete_reason``, and the pages say INCOMPLETE at the top. After a
-        failed write nothing is written (the frame is still returned)."""
-        frame = results_frame(self._rows, self.spec)
-        frame.attrs["meta"] = self.meta  # the stdout table's header reads it (report.console)
+        failed write nothing is written (the rows on disk are still returned)."""
         if self._failed is not None:
+            frame = results_frame(_rows_on_disk(self.out_dir), self.spec)
+            frame.attrs["meta"] = self.meta  # the stdout table's header reads it (report.console)
             return frame
-        if incomplete is not None:
-            reason = _one_line_reason(incomplete)
-            self.meta = {**self.meta, "status": "incomplete", "incomplete_reason": reason}
-            frame.attrs["meta"] = self.meta
-            self._write(self.out_dir / "meta.json", json.dumps(plain(self.meta), indent=2) + "\n")
-        ranks = rank_frame(self._rank_rows)
-        verdict = judge(frame, ranks, self.meta) if judge is not None else None
-        pages = report_pages(frame, ranks, self.meta, self.spec, verdict, self._extras)
-        self._guarded(write_pages, self.out_dir, pages)
-        frame.attrs["verdict"] = verdict  # after rendering: parquet stores attrs as JSON
+        frame = self._guarded(lambda: render_folder(self.out_dir, judge=judge, incomplete=incomplete))
+        self.meta = frame.attrs["meta"]
         return frame
 
 
-def render_report(out_dir: str | os.PathLike[str]) -> pd.DataFrame:
-    """Re-render parquet/json/summary/html of a report folder from results.csv (+ ranks.csv, meta.json).
+def _rows_on_disk(out_dir: Path) -> pd.DataFrame:
+    """The whole rows results.csv holds (none when it is missing or cannot be read)."""
+    try:
+        return read_rows(out_dir / "results.csv", RESULT_COLUMNS)
+    except (UsageError, OSError):
+        return pd.DataFrame()
 
-    Every file is checked first and every page built in memory before the first is written, so a folder
-    that is refused (UsageError naming the file) is left exactly as it was; results.csv, ranks.csv and
-    meta.json are never written. The returned frame's ``attrs["incomplete"]`` is the reason of a stopped
-    run (meta.json status "incomplete"), else None."""
-    meta, results, ranks = read_report(out_dir)
-    spec = spec_from_meta(meta, str(Path(out_dir) / "meta.json"))
-    verdict = saved_verdict(out_dir)  # checked before anything is written
-    frame = results_frame(results, spec)
-    extras = read_extra_tables(out_dir)
-    pages = replace(report_pages(frame, rank_frame(ranks), meta, spec, verdict, extras), new_verdict=False)
-    write_pages(Path(out_dir), pages)
-    frame.attrs["incomplete"] = incomplete_reason(meta)
-    frame.attrs["verdict"] = verdict
+
+def render_folder(
+    out_dir: str | os.PathLike[str], *, judge: Judge | None = None, incomplete: str | None = None
+) -> pd.DataFrame:
+    """Render a report folder from its files: results.parquet, results.json, summary.md and report.html
+    (+ verdict.json and junit.xml from ``judge``'s verdict; without a judge the folder's own verdict.json is
+    shown again, never rewritten; a stopped run finished without a judge shows none). The one rendering
+    path: the end of a run, ``commbench report DIR`` and a stopped run.
+
+    ``incomplete``: the run was stopped and this is why (one line): meta.json gets ``status: "incomplete"``
+    and ``incomplete_reason`` (the only write to meta.json), and the pages say INCOMPLETE at the top; a
+    stopped run may have no results.csv yet. Every file is checked (``read_folder``) and every page built in
+    memory before the first is written, so a folder that is refused (UsageError naming the file) is left
+    exactly as it was. Returns the results frame: ``attrs["meta"]`` (meta.json as rendered),
+    ``attrs["verdict"]`` and ``attrs["incomplete"]`` (the reason of a stopped run, else None)."""
+    path = Path(out_dir)
+    folder = read_folder(path, stopped=incomplete is not None)
+    meta = folder.meta
+    if incomplete is not None:
+        meta = {**meta, "status": "incomplete", "incomplete_reason": _one_line_reason(incomplete)}
+    spec = spec_from_meta(meta, str(path / "meta.json"))
+    frame = results_frame(folder.results, spec)
     frame.attrs["meta"] = meta  # the stdout table's header reads it (report.console)
+    ranks = rank_frame(folder.ranks)
+    if judge is not None:
+        verdict: Verdict | None = judge(frame, ranks, meta)
+    else:  # a re-render shows the folder's own verdict; a stopped run finished unjudged has none
+        verdict = folder.verdict if incomplete is None else None
+    pages = report_pages(frame, ranks, meta, spec, verdict, folder.extras, new_verdict=judge is not None)
+    if incomplete is not None:
+        write_atomic(path / "meta.json", json.dumps(plain(meta), indent=2) + "\n")
+    write_pages(path, pages)
+    frame.attrs["incomplete"] = incomplete_reason(meta)
+    frame.attrs["verdict"] = verdict  # after rendering: parquet stores attrs as JSON
     return frame
+
+
+def render_report(out_dir: str | os.PathLike[str]) -> pd.DataFrame:
+    """``commbench report DIR``: ``render_folder(DIR)`` (the folder's own verdict shown again)."""
+    return render_folder(out_dir)
 
 
 def mark_incomplete(
     out_dir: str | os.PathLike[str], reason: str, judge: Judge | None = None
 ) -> pd.DataFrame | None:
     """Finish a stopped run's folder from outside its writer (the launcher, when rank 0 was killed before it
-    could call ``finalize(incomplete=...)``): meta.json gets ``status: "incomplete"`` and the reason, and the
-    pages are rendered from the rows on disk, saying INCOMPLETE. None (nothing written) when rank 0 never
-    wrote meta.json; UsageError naming a file that cannot be read or written."""
-    path = Path(out_dir)
-    meta_path = path / "meta.json"
-    if not meta_path.exists():
+    could call ``finalize(incomplete=...)``): ``render_folder(DIR, judge=judge, incomplete=reason)``. None
+    (nothing written) when rank 0 never wrote meta.json."""
+    if not (Path(out_dir) / "meta.json").exists():
         return None
-    meta = {**read_meta(meta_path), "status": "incomplete", "incomplete_reason": _one_line_reason(reason)}
-    results_csv, ranks_csv = path / "results.csv", path / "ranks.csv"
-    results = read_rows(results_csv, RESULT_COLUMNS) if results_csv.exists() else pd.DataFrame()
-    ranks = read_rows(ranks_csv, RANK_COLUMNS) if ranks_csv.exists() else pd.DataFrame()
-    spec = spec_from_meta(meta, str(meta_path))
-    frame = results_frame(results, spec)
-    ranks_frame = rank_frame(ranks)
-    verdict = judge(frame, ranks_frame, meta) if judge is not None else None
-    pages = report_pages(frame, ranks_frame, meta, spec, verdict, read_extra_tables(path))
-    write_atomic(meta_path, json.dumps(plain(meta), indent=2) + "\n")
-    write_pages(path, pages)
-    frame.attrs["incomplete"] = incomplete_reason(meta)
-    frame.attrs["meta"] = meta
-    return frame
+    return render_folder(out_dir, judge=judge, incomplete=reason)
 
 
 def _one_line_reason(reason: str) -> str:
@@ -325,12 +322,13 @@ def report_pages(
     spec: SystemSpec,
     verdict: Verdict | None = None,
     extras: ExtraTables | None = None,
+    new_verdict: bool = True,
 ) -> ReportPages:
     """results.parquet, results.json, summary.md and report.html of a run, rendered in memory; the pages
     open with ``verdict`` (None: "no verdict", INCOMPLETE)."""
     buffer = io.BytesIO()
     table = _parquet_safe(file_frame(frame))
-    table.attrs = {}  # pandas stores attrs in the file: a first render and a re-render must write the same
+    table.attrs = {}  # pandas stores attrs in the file: the frame's attrs (meta, verdict) are not data
     table.to_parquet(buffer, index=False)
     return ReportPages(
         parquet=buffer.getvalue(),
@@ -338,6 +336,7 @@ def report_pages(
         summary_md=summary_markdown(frame, meta, spec, verdict, extras),
         report_html=report_html(frame, ranks, meta, spec, verdict, extras),
         verdict=verdict,
+        new_verdict=new_verdict,
     )
 
 
@@ -353,10 +352,7 @@ def write_pages(out_dir: Path, pages: ReportPages) -> None:
     write_atomic(out_dir / "report.html", pages.report_html)
 
 
-def saved_verdict(out_dir: str | os.PathLike[str]) -> Verdict | None:
-    """The folder's verdict.json read back, or None when it has none."""
-    path = Path(out_dir) / VERDICT_FILE
-    return read_verdict_json(path) if path.is_file() else None
+saved_verdict = read_saved_verdict  # the facade's name
 
 
 def _parquet_safe(frame: pd.DataFrame) -> pd.DataFrame:

@@ -33,10 +33,9 @@ from commbench.errors import UsageError
 from commbench.inputs.userfiles import clip, kind_of, load_json, show_path
 from commbench.plain import is_missing, knobs_text, plain
 from commbench.report.folder.claim import write_atomic
-from commbench.report.folder.reading import read_report
+from commbench.report.folder.reading import incomplete_reason, read_report
 from commbench.report.folder.writer import spec_from_meta
-from commbench.report.frame import results_frame
-from commbench.report.pages.html import incomplete_reason
+from commbench.report.frame import emulated_rows, results_frame
 
 SCHEMA = "commbench.baseline/1"
 # A baseline holds a few numbers per case and window: 64 MiB is far beyond any real sweep.
@@ -245,9 +244,7 @@ def run_meta(run: ReportRun) -> dict[str, Any]:
             "host": env.get("hostname"),
             "world_size": _cell(first.get("world_size")) if len(run.frame) else args.get("world_size"),
             "backend": _cell(first.get("backend")) if len(run.frame) else args.get("backend"),
-            "emulated": bool(run.frame["emulated"].astype(str).eq("True").any())
-            if "emulated" in run.frame.columns
-            else None,
+            "emulated": bool(emulated_rows(run.frame).any()) if "emulated" in run.frame.columns else None,
             "spec": spec.get("name"),
             "commbench_version": meta.get("commbench_version") or versions.get("commbench"),
             "versions": versions,

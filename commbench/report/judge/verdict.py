@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from commbench.errors import (
@@ -157,8 +158,9 @@ def _value(row: Mapping[str, Any], column: str) -> float:
 
 
 def _is_true(value: Any) -> bool:
-    """A flag cell as the frame or a CSV read back holds it (True, 1, "True")."""
-    return value is True or (not is_missing(value) and str(value).strip().lower() in ("true", "1", "1.0"))
+    """A flag of a results row (``emulated``): a bool in the harness's rows and in a folder read back
+    (``report.folder.reading``); anything else is not set."""
+    return isinstance(value, (bool, np.bool_)) and bool(value)
 
 
 def _case(row: Mapping[str, Any]) -> str:

@@ -25,13 +25,13 @@ from commbench.report.pages.tables import (
     TIMING,
     any_emulated,
     column,
+    column_table,
     fmt_int,
     fmt_pct,
     fmt_text,
     fmt_time,
     fmt_wrong,
     format_bandwidth,
-    render,
     timing_shown,
 )
 
@@ -393,10 +393,7 @@ def moe_table(frame: pd.DataFrame) -> str:
         lines.append("# time(us) = the mean; algbw, busbw and %spec from p50(us); GB = 1e9 B; see summary.md")
     shown = [c for c in _MOE_COLUMNS if c.source in frame.columns]
     lines.append(
-        render(
-            shown,
-            frame,
-            "text",
+        column_table(shown, frame).text(
             min_widths=[c.min_width for c in shown],
             header_prefix="# ",
             row_prefix="  ",

@@ -1,29 +1,62 @@
-"""The report's tables beside results.csv (pairs.csv: the pairwise link test; health.csv: GPU health before
-and after; profile.csv, arrivals.csv, peers.csv: the profiler) read from a folder, and their sections of
-summary.md and report.html (heatmaps, tables, stacked bars)."""
+"""The sections of a report page, in page order, built as data (``report.pages.render.Section``) from a
+folder read back (``report.folder.reading``): summary.md and report.html are the same list of sections
+rendered twice (``summary_markdown``, ``report_html``).
+
+Order: the title (INCOMPLETE first when the run stopped), the verdict, the headline figures against the
+spec (plots in HTML), a table per pattern, link classes, skew cost, spread over windows, EPLB replicas, the
+comm/compute budget, the profiler, torch.profiler, the pairwise link test, GPU health, per-rank plots
+(HTML), the environment and the conventions. Each analysis module builds its own section; this module
+orders them and builds the run's own (headline, results, pairs, health, environment, conventions).
+"""
 
 from __future__ import annotations
 
-import base64
-import html
-import io
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from commbench.inputs.specs import SystemSpec
-from commbench.report.folder.reading import read_table
-from commbench.report.frame import pair_frame
-from commbench.report.judge.pairs import CLASS_WORDS, PAIRS_FILE, TEST_WORDS, heatmap_figure, pair_matrix
+from commbench.inputs.specs import SystemSpec, has_figures
+from commbench.report.analysis.replicas import replicas_section
+from commbench.report.analysis.soak import soak_figure
+from commbench.report.analysis.windows import window_spread_section
+from commbench.report.folder.reading import ExtraTables, incomplete_reason
+from commbench.report.frame import CONVENTIONS, average_bus_bandwidth, balanced_rows, pair_frame
+from commbench.report.judge.pairs import CLASS_WORDS, TEST_WORDS, heatmap_figure, pair_matrix
 from commbench.report.judge.verdict import Verdict
-from commbench.report.pages.tables import format_table
-from commbench.report.profiler.profile import ARRIVALS_FILE, PEERS_FILE, PROFILE_FILE
+from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
+from commbench.report.pages.html import balanced_figure, per_gpu_figure, rank_figures
+from commbench.report.pages.modes import check_text, timing_text
+from commbench.report.pages.render import (
+    Block,
+    Code,
+    Fields,
+    Figure,
+    FigureRow,
+    Section,
+    Text,
+    html_page,
+    markdown_page,
+)
+from commbench.report.pages.tables import (
+    SKEW_COST_NOTE,
+    Table,
+    any_emulated,
+    fmt_int,
+    fmt_text,
+    format_bandwidth,
+    link_class_legend,
+    link_class_table,
+    pattern_tables,
+    skew_cost_table,
+    spec_legend,
+    time_note,
+)
+from commbench.report.pages.verdict_view import verdict_section
 
-HEALTH_FILE = "health.csv"
-PNG_URL = "data:image/png;base64,"
+PAGE_TITLE = "commbench report"
+EMULATED_NOTE = (
+    "Emulated (a model, an emulator or CPU ranks): times and bandwidths below are not GPU fabric figures."
+)
 PAIRS_NOTE = (
     "Pairwise link test: every ordered pair of ranks in rounds of disjoint pairs (n-1 rounds of n/2 "
     "pairs), one way and both ways at once. Bandwidth = one message's bytes / (the receiver's window / "
@@ -34,93 +67,177 @@ PAIRS_NOTE = (
 )
 
 
-def figure_png(figure: Any) -> str:
-    """A matplotlib figure as base64 PNG for an <img> data URL."""
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+def environment_lines(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """(item, value) of the environment meta.json recorded: command, host, versions, devices, env vars."""
+    env = meta.get("env") or {}
+    versions = env.get("versions") or {}
+    devices = env.get("devices") or []
+    device_text = ", ".join(f"{d.get('index')}: {d.get('name', d.get('error', '?'))}" for d in devices)
+    nvml = env.get("nvml") or {}
+    items = [
+        ("command", env.get("command") or " ".join(meta.get("argv", []))),
+        ("time (UTC)", env.get("time_utc")),
+        ("host", env.get("hostname")),
+        ("platform", env.get("platform")),
+        ("versions", ", ".join(f"{k} {v}" for k, v in versions.items() if v is not None)),
+        ("devices", device_text or "no CUDA devices"),
+        ("driver", nvml.get("driver_version")),
+        ("env vars", " ".join(f"{k}={v}" for k, v in (env.get("env_vars") or {}).items()) or "none set"),
+    ]
+    args = meta.get("args") or {}
+    if args:
+        items.append(("arguments", ", ".join(f"{k}={v}" for k, v in args.items())))
+    return [(k, str(v)) for k, v in items if v not in (None, "")]
 
 
-@dataclass(frozen=True)
-class ExtraTables:
-    """What a run wrote beside results.csv and ranks.csv (empty frames when it did not)."""
-
-    pairs: pd.DataFrame = field(default_factory=pd.DataFrame)
-    health: pd.DataFrame = field(default_factory=pd.DataFrame)
-    profile: pd.DataFrame = field(default_factory=pd.DataFrame)  # --profile: profile.csv
-    arrivals: pd.DataFrame = field(default_factory=pd.DataFrame)  # arrivals.csv
-    peers: pd.DataFrame = field(default_factory=pd.DataFrame)  # peers.csv
-    kineto: Any = None  # --torch-profiler: report.kineto_overlap.KinetoOverlap of kineto/rank<R>.json
-
-
-# The profiler's long tables, appended as phases finish: file -> ExtraTables field.
-EXTRA_APPENDED = {PROFILE_FILE: "profile", ARRIVALS_FILE: "arrivals", PEERS_FILE: "peers"}
-_REQUIRED = {
-    PROFILE_FILE: ("phase", "rank", "iteration", "step", "us"),
-    ARRIVALS_FILE: ("phase", "rank", "iteration", "entered_us", "waited_us"),
-    PEERS_FILE: ("phase", "src", "dst", "iteration", "seen_us"),
-}
-
-
-def read_extra_tables(out_dir: str | os.PathLike[str]) -> ExtraTables:
-    """pairs.csv and health.csv of a report folder, checked as results.csv is (UsageError naming the file)."""
-    folder = Path(out_dir)
-    pairs = folder / PAIRS_FILE
-    health = folder / HEALTH_FILE
-    profiled = {
-        field_name: read_table(folder / name, _REQUIRED[name])
-        if (folder / name).is_file()
-        else pd.DataFrame()
-        for name, field_name in EXTRA_APPENDED.items()
-    }
-    return ExtraTables(
-        kineto=read_kineto(folder),
-        pairs=read_table(pairs, ("test", "src", "dst", "size_bytes", "time_us", "link_class"))
-        if pairs.is_file()
-        else pd.DataFrame(),
-        health=read_table(health, ("rank", "host", "device")) if health.is_file() else pd.DataFrame(),
-        **profiled,
+def topology_text(frame: pd.DataFrame, meta: dict[str, Any]) -> str | None:
+    """The run's NVLink-domain layout and how it was found (meta.json, else the result rows)."""
+    topology = meta.get("topology") or {}
+    if topology.get("description"):
+        return str(topology["description"])
+    if frame.empty or "num_domains" not in frame.columns:
+        return None
+    first = frame.iloc[0]
+    return (
+        f"{fmt_int(first.get('world_size'))} ranks in {fmt_int(first.get('num_domains'))} NVLink domain(s) "
+        f"of up to {fmt_int(first.get('ranks_per_domain'))} ranks; found by "
+        f"{fmt_text(first.get('layout_source'))}"
     )
 
 
-KINETO_FOLDER = "kineto"
-KINETO_NOTE = (
-    "torch.profiler (Kineto) traces of every rank's measured calls (kineto/rank<R>.json; load them in "
-    "ui.perfetto.dev). Kernels are classified as communication by a registry of names (NCCL, NVSHMEM, "
-    "commbench's put and wait kernels, torch symm_mem all_to_all_vdev, DeepEP, pplx; peer-to-peer copies), "
-    "not by a substring; everything else is compute. comm / compute = the union of their kernels' time on "
-    "the GPU; overlap = the time both ran at once; exposed = communication not hidden behind compute."
-)
-
-
-def read_kineto(folder: str | os.PathLike[str]) -> Any:
-    """The overlap analysis of a folder's kineto/ traces, or None when it has none."""
-    from commbench.report.profiler.kineto_overlap import overlap_from_folder, trace_files
-
-    traces = Path(folder) / KINETO_FOLDER
-    if not traces.is_dir() or not trace_files(traces):
+def incomplete_note(meta: dict[str, Any]) -> str | None:
+    """The line the pages of a stopped run start with ("INCOMPLETE: <reason>. ..."), or None."""
+    reason = incomplete_reason(meta)
+    if reason is None:
         return None
-    return overlap_from_folder(traces)
+    return f"INCOMPLETE: {reason}. Only the phases that finished before the run stopped are reported."
 
 
-def kineto_section(extras: ExtraTables, style: str) -> list[str]:
-    """The torch.profiler section: communication time and its overlap with compute per rank."""
-    from commbench.report.profiler.kineto_overlap import overlap_table
+def average_text(frame: pd.DataFrame) -> str | None:
+    """nccl-tests' "Avg bus bandwidth" of the balanced all-to-all rows (mean time), None without any."""
+    if balanced_rows(frame).empty:
+        return None
+    average = format_bandwidth(average_bus_bandwidth(frame))
+    return f"Avg bus bandwidth (balanced all-to-all only, busbw from the mean time): {average} GB/s"
 
-    if extras.kineto is None:
-        return []
-    table = overlap_table(extras.kineto, style)
-    ranks = extras.kineto.ranks
-    if ranks.empty or not (pd.to_numeric(ranks.get("gpu_events"), errors="coerce").fillna(0) > 0).any():
-        table = "No GPU kernel in the traces (a CPU run): nothing to classify; the traces hold the CPU ops."
-    title = "Communication kernels and their overlap with compute (torch.profiler)"
-    if style == "markdown":
-        return [f"## {title}", "", KINETO_NOTE, "", table, ""]
-    return [
-        f"<h2>{html.escape(title)}</h2>",
-        f"<p>{html.escape(KINETO_NOTE)}</p>",
-        f'<div class="wide">{table}</div>',
+
+def _cpu_run_note(spec: SystemSpec) -> str | None:
+    """The line a run with no spec opens with (a CPU run says what its figures measure)."""
+    return None if has_figures(spec) else (spec.description or "No spec: no %spec is shown.")
+
+
+def report_sections(
+    frame: pd.DataFrame,
+    ranks: pd.DataFrame,
+    meta: dict[str, Any],
+    spec: SystemSpec,
+    verdict: Verdict | None = None,
+    extras: ExtraTables | None = None,
+) -> list[Block]:
+    """The report page of a run as data, in page order (see the module docstring): the blocks
+    ``summary_markdown`` and ``report_html`` render."""
+    from commbench.report.profiler.kineto_overlap import overlap_section
+    from commbench.report.profiler.profile import profile_sections
+
+    extras = extras or ExtraTables()
+    frame = with_knob_setting(frame)
+    ranks = with_knob_setting(ranks)
+    note = incomplete_note(meta)
+    page: list[Block] = [
+        Section(PAGE_TITLE, (Text(note, warning=True),) if note else (), level=1, keep_empty=True),
+        verdict_section(verdict),
     ]
+    cpu_note = _cpu_run_note(spec)
+    page += [Text(cpu_note, warning=True)] if cpu_note else []
+    page += [Text(EMULATED_NOTE, warning=True)] if any_emulated(frame) else []
+    page.append(_headline(frame, spec))
+    page.append(_results(frame, spec))
+    links = link_class_table(frame)
+    if links is not None:
+        page.append(Section("By link class", (Text(link_class_legend(spec)), links)))
+    costs = skew_cost_table(frame)
+    if costs is not None:
+        page.append(Section("What skew costs", (Text(SKEW_COST_NOTE), costs)))
+    page += [s for s in (window_spread_section(frame), replicas_section(frame)) if s is not None]
+    page += budget_sections(frame, meta, spec)
+    if not extras.profile.empty:
+        page += profile_sections(extras.profile, extras.arrivals, extras.peers)
+    if extras.kineto is not None:
+        page.append(overlap_section(extras.kineto))
+    page += pairs_sections(extras.pairs, spec, verdict)
+    page += health_sections(extras.health)
+    per_rank = [Figure(f"Per-rank bytes: {title}", build) for title, build in rank_figures(ranks)]
+    page.append(Section("Per rank", tuple(per_rank)))  # plots only: HTML
+    page.append(Section("Environment", (Fields(environment_lines(meta)),)))
+    conventions: list[Block] = [Text(f"{label}: {text}.") for label, text in _convention_lines(frame, meta)]
+    page.append(Section("Conventions", (*conventions, Code(CONVENTIONS))))
+    return page
+
+
+def _headline(frame: pd.DataFrame, spec: SystemSpec) -> Section:
+    """The spec compared with, nccl-tests' average bus bandwidth, and (HTML) the two headline plots: the
+    balanced sweep and the per-GPU bandwidth, or the soak's bandwidth over time first."""
+    blocks: list[Block] = [Text(f"Spec: {spec_legend(spec)}.")]
+    average = average_text(frame)
+    if average:
+        blocks.append(Text(average))
+    per_gpu = Figure(
+        "Achieved per-GPU bandwidth" + (" vs spec" if has_figures(spec) else ""),
+        lambda: per_gpu_figure(frame, spec),
+    )
+    soak = soak_figure(frame)
+    if soak is not None:  # a soak run: bandwidth over time first (its balanced sweep is a single size)
+        blocks += [Figure("Soak: bandwidth per window over time", lambda: soak), per_gpu]
+    else:
+        blocks += [Figure("Balanced all-to-all: bus bandwidth vs size", lambda: balanced_figure(frame, spec))]
+        blocks.append(per_gpu)
+    return Section("Headline", tuple(blocks))
+
+
+def _results(frame: pd.DataFrame, spec: SystemSpec) -> Section:
+    """A table per pattern, under the note saying which time each table's bandwidths use."""
+    blocks: list[Block] = [] if frame.empty else [Text(time_note(spec))]
+    blocks += [Section(name, (table,), level=3) for name, table in pattern_tables(frame)]
+    return Section("Results", tuple(blocks), keep_empty=True)
+
+
+def _convention_lines(frame: pd.DataFrame, meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """How this run was timed and checked, and its topology, as (label, text)."""
+    lines = [
+        ("Timing", timing_text(frame)),
+        ("Check", check_text(frame)),
+        ("Topology", topology_text(frame, meta)),
+    ]
+    return [(label, text) for label, text in lines if text]
+
+
+def budget_sections(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec) -> list[Section]:
+    """The comm/compute budget of the run's MoE cases (``profiler.budget.moe_budget``); none when the run has
+    no MoE case or its model cannot be read back."""
+    from commbench.errors import CommbenchError
+    from commbench.inputs.models import load_model
+    from commbench.report.profiler.budget import moe_budget
+
+    args = meta.get("args") or {}
+    names = args.get("model")
+    names = [names] if isinstance(names, str) else list(names or [])
+    models = []
+    for name in names:
+        try:
+            models.append(load_model(str(name)))
+        except CommbenchError:  # a model file moved away since the run: its cases are left out
+            continue
+    if not models:
+        return []
+    tflops = args.get("tflops")
+    shown = with_knob_setting(frame)  # the knobs that vary between cases, as every other table shows them
+    if KNOB_SETTING_COLUMN in shown.columns:
+        shown = shown.assign(knobs=shown[KNOB_SETTING_COLUMN])
+    try:
+        section = moe_budget(shown, models, float(tflops) if tflops else None, spec)
+    except CommbenchError:
+        return []
+    return [] if section is None else [section]
 
 
 def _flagged(verdict: Verdict | None) -> dict[str, dict[tuple[int, int], str]]:
@@ -156,42 +273,28 @@ def _summary_rows(frame: pd.DataFrame) -> list[list[Any]]:
 _SUMMARY_HEADERS = ["test", "link class", "pairs", "median", "worst pair", "worst"]
 
 
-def pairs_markdown(extras: ExtraTables, spec: SystemSpec) -> list[str]:
-    """summary.md's pairwise section (empty without a pairwise test)."""
-    if extras.pairs.empty:
+def pairs_sections(pairs: pd.DataFrame, spec: SystemSpec, verdict: Verdict | None) -> list[Section]:
+    """The pairwise link test: the per-class table, and (HTML) the [src][dst] bandwidth and latency
+    heatmaps with the verdict's flagged pairs outlined; none without a pairwise test."""
+    if pairs.empty:
         return []
-    frame = pair_frame(extras.pairs, spec)
-    table = format_table(_SUMMARY_HEADERS, _summary_rows(frame), "markdown", text_columns={0, 1, 3, 4, 5})
-    return ["## Pairwise link test", "", PAIRS_NOTE, "", table, "", "Matrices: pairs.csv (long form).", ""]
-
-
-def pairs_html(extras: ExtraTables, spec: SystemSpec, verdict: Verdict | None) -> list[str]:
-    """report.html's pairwise section: the class table and the [src][dst] bandwidth and latency heatmaps."""
-    if extras.pairs.empty:
-        return []
-    esc = html.escape
-    frame = pair_frame(extras.pairs, spec)
+    frame = pair_frame(pairs, spec)
     flagged = _flagged(verdict)
-    table = format_table(_SUMMARY_HEADERS, _summary_rows(frame), "html", text_columns={0, 1, 3, 4, 5})
-    body = ["<h2>Pairwise link test</h2>", f"<p>{esc(PAIRS_NOTE)}</p>", table]
+    table = Table(_SUMMARY_HEADERS, _summary_rows(frame), text_columns={0, 1, 3, 4, 5})
     world = int(max(frame["src"].max(), frame["dst"].max())) + 1
-    images = []
+    heatmaps = []
     for test, unit in (("bandwidth", "GB/s"), ("latency", "us"), ("bidir", "GB/s")):
         if (frame["test"] == test).any():
             title = f"[src][dst] {TEST_WORDS[test]} ({unit})"
             panel = (pair_matrix(frame, test, world), title, unit, flagged.get(test, {}))
-            png = figure_png(heatmap_figure([panel]))
-            images.append(
-                f'<img class="heatmap" alt="heatmap: {esc(title)}" title="{esc(title)}" src="{PNG_URL}{png}">'
-            )
-    if images:
-        body += [
-            "<h3>Heatmaps: rows = sender (src), columns = receiver (dst)</h3>",
-            '<div class="heatmaps">',
-            *images,
-            "</div>",
-        ]
-    return body
+            heatmaps.append((title, lambda panel=panel: heatmap_figure([panel])))
+    blocks: list[Block] = [
+        Text(PAIRS_NOTE),
+        table,
+        Text("Matrices: pairs.csv (long form).", only="markdown"),
+        FigureRow("Heatmaps: rows = sender (src), columns = receiver (dst)", heatmaps),
+    ]
+    return [Section("Pairwise link test", tuple(blocks))]
 
 
 _HEALTH_HEADERS = ["rank", "host", "GPU", "links up", "min link MB/s", "ECC", "persist.", "driver",
@@ -241,120 +344,36 @@ HEALTH_NOTE = (
 )
 
 
-def health_section(extras: ExtraTables, style: str) -> list[str]:
-    """summary.md (style "markdown") or report.html ("html") lines of the GPU health table; one line on a
-    run without GPUs, nothing without health.csv."""
-    if extras.health.empty:
+def health_sections(health: pd.DataFrame) -> list[Section]:
+    """The GPU health table (one line on a run without GPUs); none without health.csv."""
+    if health.empty:
         return []
-    rows = _health_rows(extras.health)
+    rows = _health_rows(health)
     text = HEALTH_NOTE if rows else "GPU health: no rank has a GPU (CPU run): nothing to read."
-    if style == "markdown":
-        parts = ["## GPU health", "", text, ""]
-        if rows:
-            parts += [format_table(_HEALTH_HEADERS, rows, "markdown", text_columns=set(range(11))), ""]
-        return parts
-    parts = ["<h2>GPU health</h2>", f"<p>{html.escape(text)}</p>"]
-    if rows:
-        table = format_table(_HEALTH_HEADERS, rows, "html", text_columns=set(range(11)))
-        parts.append(f'<div class="wide">{table}</div>')
-    return parts
+    table = [Table(_HEALTH_HEADERS, rows, text_columns=set(range(11)), wide=True)] if rows else []
+    return [Section("GPU health", (Text(text), *table))]
 
 
-def profile_section(extras: ExtraTables, style: str) -> list[str]:
-    """The profiler's section (markdown or html): the per-step table, the stacked bars per rank (html), the
-    straggler table and the per-peer arrival matrix; nothing for a run without --profile."""
-    from commbench.report.profiler.profile import (
-        PROFILE_NOTE,
-        STRAGGLER_NOTE,
-        peer_table,
-        stacked_bars_figure,
-        step_table,
-        straggler_table,
-    )
-
-    if extras.profile.empty:
-        return []
-    steps = step_table(extras.profile, style)
-    stragglers = straggler_table(extras.arrivals, style) if not extras.arrivals.empty else None
-    peers = peer_table(extras.peers, style) if not extras.peers.empty else None
-    peer_note = (
-        "Per-peer arrival matrix (us after the receiver entered the call, p50): when each source's data was "
-        "seen, from the backend's per-source signals."
-    )
-    if style == "markdown":
-        parts = ["## Profile: where the time goes", "", PROFILE_NOTE, "", steps or "", ""]
-        if stragglers:
-            parts += ["## Who arrives late", "", STRAGGLER_NOTE, "", stragglers, ""]
-        if peers:
-            parts += ["### Per-peer arrivals", "", peer_note, "", peers, ""]
-        return parts
-    esc = html.escape
-    body = [
-        "<h2>Profile: where the time goes</h2>",
-        f"<p>{esc(PROFILE_NOTE)}</p>",
-        f'<div class="wide">{steps}</div>',
-    ]
-    figure = stacked_bars_figure(extras.profile)
-    if figure is not None:
-        title = "Per rank: p50 of each step per iteration (stacked)"
-        body.append(f'<h3>{esc(title)}</h3><img alt="{esc(title)}" src="{PNG_URL}{figure_png(figure)}">')
-    if stragglers:
-        body += [
-            "<h2>Who arrives late</h2>",
-            f"<p>{esc(STRAGGLER_NOTE)}</p>",
-            f'<div class="wide">{stragglers}</div>',
-        ]
-    if peers:
-        body += ["<h3>Per-peer arrivals</h3>", f"<p>{esc(peer_note)}</p>", peers]
-    return body
+def summary_markdown(
+    frame: pd.DataFrame,
+    meta: dict[str, Any],
+    spec: SystemSpec,
+    verdict: Verdict | None = None,
+    extras: ExtraTables | None = None,
+    ranks: pd.DataFrame | None = None,
+) -> str:
+    """summary.md: ``report_sections`` rendered as Markdown."""
+    ranks = ranks if ranks is not None else pd.DataFrame()
+    return markdown_page(report_sections(frame, ranks, meta, spec, verdict, extras))
 
 
-BUDGET_TITLE = "Can the all-to-all hide behind the experts?"
-
-
-def budget_section(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec, style: str) -> list[str]:
-    """The comm/compute budget of the run's MoE cases (``report.budget``), for summary.md ("markdown") or
-    report.html ("html"); nothing when the run has no MoE case or its model cannot be read back."""
-    from commbench.errors import CommbenchError
-    from commbench.inputs.models import load_model
-    from commbench.report.profiler.budget import moe_budget
-
-    args = meta.get("args") or {}
-    names = args.get("model")
-    names = [names] if isinstance(names, str) else list(names or [])
-    models = []
-    for name in names:
-        try:
-            models.append(load_model(str(name)))
-        except CommbenchError:  # a model file moved away since the run: its cases are left out
-            continue
-    if not models:
-        return []
-    tflops = args.get("tflops")
-    from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
-
-    shown = with_knob_setting(frame)  # the knobs that vary between cases, as every other table shows them
-    if KNOB_SETTING_COLUMN in shown.columns:
-        shown = shown.assign(knobs=shown[KNOB_SETTING_COLUMN])
-    try:
-        text = moe_budget(shown, models, float(tflops) if tflops else None, spec, style)
-    except CommbenchError:
-        return []
-    if not text:
-        return []
-    if style == "markdown":
-        return [f"## {BUDGET_TITLE}", "", text, ""]
-    return [f"<h2>{html.escape(BUDGET_TITLE)}</h2>", f'<div class="wide">{text}</div>']
-
-
-def replicas_section(frame: pd.DataFrame, style: str) -> list[str]:
-    """What EPLB replicas buy (run/suite --replicas: each MoE case without and with replicas), or nothing."""
-    from commbench.report.analysis.replicas import REPLICAS_NOTE, replicas_table
-
-    table = replicas_table(frame, style) if not frame.empty else None
-    if not table:
-        return []
-    title = "What EPLB replicas buy"
-    if style == "markdown":
-        return [f"## {title}", "", REPLICAS_NOTE, "", table, ""]
-    return [f"<h2>{title}</h2>", f"<p>{html.escape(REPLICAS_NOTE)}</p>", f'<div class="wide">{table}</div>']
+def report_html(
+    frame: pd.DataFrame,
+    ranks: pd.DataFrame,
+    meta: dict[str, Any],
+    spec: SystemSpec,
+    verdict: Verdict | None = None,
+    extras: ExtraTables | None = None,
+) -> str:
+    """report.html: ``report_sections`` rendered as one self-contained HTML page (plots embedded as PNG)."""
+    return html_page(PAGE_TITLE, report_sections(frame, ranks, meta, spec, verdict, extras))

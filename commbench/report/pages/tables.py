@@ -19,6 +19,7 @@ import pandas as pd
 
 from commbench.inputs.specs import NO_SPEC_NAME, SystemSpec, has_figures
 from commbench.plain import is_missing
+from commbench.report.frame import emulated_rows
 from commbench.report.knobs import KNOB_SETTING_COLUMN
 from commbench.report.pages.modes import mixes_timing, with_timing
 
@@ -74,6 +75,9 @@ def format_table(
     for row in cells:
         if len(row) != len(headers):
             raise ValueError(f"table row has {len(row)} cells for {len(headers)} headers")
+    if style == "markdown":  # a "|" or a line break in a cell would split the row
+        headers = [markdown_text(h).replace("|", "\\|") for h in headers]
+        cells = [[markdown_text(c).replace("|", "\\|") for c in row] for row in cells]
     right = right_aligned(headers, cells, text_columns)
     if style == "html":
         return _html(headers, cells, right)
@@ -93,10 +97,16 @@ def format_table(
     return "\n".join(lines)
 
 
+def markdown_text(text: str) -> str:
+    """``text`` on one Markdown line: line breaks become spaces (a break would end a table row or a
+    paragraph's heading)."""
+    return " ".join(str(text).replace("\r\n", "\n").replace("\r", "\n").split("\n"))
+
+
 def _html(headers: list[str], cells: list[list[str]], right: list[bool]) -> str:
     def cell(tag: str, text: str, numeric: bool) -> str:
         attribute = ' class="num"' if numeric else ""
-        return f"<{tag}{attribute}>{html.escape(text)}</{tag}>"
+        return f"<{tag}{attribute}>{html.escape(text, quote=True)}</{tag}>"
 
     head = "".join(cell("th", h, r) for h, r in zip(headers, right, strict=True))
     body = "".join(
@@ -104,6 +114,29 @@ def _html(headers: list[str], cells: list[list[str]], right: list[bool]) -> str:
         for row in cells
     )
     return f"<table>\n<thead><tr>{head}</tr></thead>\n<tbody>\n{body}</tbody>\n</table>"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A table as data: headers and rows of formatted cell text; ``text_columns`` stay left-aligned, ``wide``
+    tables scroll sideways in report.html. Printed by ``format_table`` (``text``, ``markdown``, ``html``)."""
+
+    headers: Sequence[str]
+    rows: Sequence[Sequence[str]]
+    text_columns: Collection[int] = ()
+    wide: bool = False
+
+    def text(self, **options: Any) -> str:
+        """The aligned text table (stdout), ``format_table``'s ``options`` (prefixes, minimum widths)."""
+        return format_table(self.headers, self.rows, "text", text_columns=self.text_columns, **options)
+
+    def markdown(self) -> str:
+        """The GitHub Markdown table (cells with "|" or line breaks neutralised)."""
+        return format_table(self.headers, self.rows, "markdown", text_columns=self.text_columns)
+
+    def html(self) -> str:
+        """The ``<table>`` with every cell escaped."""
+        return format_table(self.headers, self.rows, "html", text_columns=self.text_columns)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -193,18 +226,17 @@ def _neck(name: str, header: str) -> Column:
     return Column(header, f"{name}_bottleneck_rank", cell)
 
 
-def render(columns: Sequence[Column], frame: pd.DataFrame, style: str, **options: Any) -> str:
+def column_table(columns: Sequence[Column], frame: pd.DataFrame, wide: bool = True) -> Table:
     """``frame``'s rows under ``columns`` (those whose source column it has; no %spec column in a run with
-    no spec), through ``format_table``."""
+    no spec)."""
     no_spec = "spec_name" in frame.columns and frame["spec_name"].eq(NO_SPEC_NAME).all()
     shown = [c for c in columns if c.source in frame.columns and not (no_spec and "spec" in c.source)]
     records = frame.to_dict("records")
-    return format_table(
+    return Table(
         [c.header for c in shown],
         [[c.cell(record) for c in shown] for record in records],
-        style,
         text_columns={i for i, c in enumerate(shown) if c.text},
-        **options,
+        wide=wide,
     )
 
 
@@ -314,10 +346,8 @@ _SKEW_COST_TABLE = (
 
 
 def any_emulated(frame: pd.DataFrame) -> bool:
-    """Whether any row comes from an emulated backend (bools may come back from CSV as text)."""
-    if "emulated" not in frame.columns:
-        return False
-    return bool(frame["emulated"].astype(str).str.lower().isin(["true", "1"]).any())
+    """Whether any row comes from an emulated backend (``emulated`` is a bool, read back once)."""
+    return bool(emulated_rows(frame).any())
 
 
 def timing_shown(frame: pd.DataFrame) -> pd.DataFrame:
@@ -329,7 +359,7 @@ def timing_shown(frame: pd.DataFrame) -> pd.DataFrame:
     return frame
 
 
-def pattern_tables(frame: pd.DataFrame, style: str) -> list[tuple[str, str]]:
+def pattern_tables(frame: pd.DataFrame) -> list[tuple[str, Table]]:
     """(pattern name, table) per pattern in run order: the balanced sweep's columns (nccl-tests' mean
     time) for balanced all-to-all rows, the MoE columns otherwise; a timing column where rows mix modes."""
     if frame.empty:
@@ -347,23 +377,23 @@ def pattern_tables(frame: pd.DataFrame, style: str) -> list[tuple[str, str]]:
         # modes but this table does not, its title says which.
         if mixing and not mixes_timing(group):
             name = f"{name} (timing: {with_timing(group)['timing'].iloc[0]})"
-        tables.append((name, render(_BALANCED_TABLE if balanced else _MOE_TABLE, timing_shown(group), style)))
+        tables.append((name, column_table(_BALANCED_TABLE if balanced else _MOE_TABLE, timing_shown(group))))
     return tables
 
 
-def link_class_table(frame: pd.DataFrame, style: str) -> str | None:
+def link_class_table(frame: pd.DataFrame) -> Table | None:
     """Per-link-class bytes and bandwidths of every result row; None for rows without link-class columns."""
     if frame.empty or "nvlink_bytes" not in frame.columns:
         return None
-    return render(_LINK_CLASS_TABLE, timing_shown(frame), style)
+    return column_table(_LINK_CLASS_TABLE, timing_shown(frame))
 
 
-def skew_cost_table(frame: pd.DataFrame, style: str) -> str | None:
+def skew_cost_table(frame: pd.DataFrame) -> Table | None:
     """The "what skew costs" table: MoE rows that carry a balanced reference time; None without any."""
     if frame.empty or "balanced_time_us_p50" not in frame.columns:
         return None
     rows = frame[pd.to_numeric(frame["balanced_time_us_p50"], errors="coerce").notna()]
-    return None if rows.empty else render(_SKEW_COST_TABLE, timing_shown(rows), style)
+    return None if rows.empty else column_table(_SKEW_COST_TABLE, timing_shown(rows), wide=False)
 
 
 def spec_legend(spec: SystemSpec) -> str:

@@ -3,12 +3,12 @@ did not pass (then the passed ones, counted by group)."""
 
 from __future__ import annotations
 
-import html
 from collections import Counter
 from typing import Any
 
 from commbench.report.judge.verdict import Element, Verdict
-from commbench.report.pages.tables import format_table
+from commbench.report.pages.render import Block, Section, Text
+from commbench.report.pages.tables import Table
 
 _HEADERS = ["status", "group", "check", "measured", "limit", "message", "remedy"]
 _ORDER = {"FAIL": 0, "WARN": 1, "SKIP": 2, "PASS": 3}
@@ -59,40 +59,21 @@ def _passed_line(verdict: Verdict) -> str:
     return "Passed: " + ", ".join(f"{count} {group}" for group, count in passed.items()) + "."
 
 
-def verdict_markdown(verdict: Verdict | None) -> list[str]:
-    """summary.md's opening lines (a list of lines, blank-line separated)."""
+def verdict_section(verdict: Verdict | None) -> Section:
+    """The page's opening section: the verdict, its reason and tally, the spec and limits judged against,
+    every check that did not pass, and the passed ones counted."""
     if verdict is None:
-        return ["## Verdict: none", "", NO_VERDICT, ""]
+        return Section("Verdict: none", (Text(NO_VERDICT),), css="verdict")
     counts = verdict.counts()
     tally = ", ".join(f"{counts[status]} {status}" for status in ("FAIL", "WARN", "PASS", "SKIP"))
-    lines = [
-        f"## Verdict: {verdict.status}",
-        "",
-        f"**{verdict.reason}** ({tally}; exit code {verdict.exit_code})",
-    ]
-    lines += ["", _spec_line(verdict), "", f"Limits: {verdict.limits.get('source', '-')}.", ""]
-    shown = [e for e in verdict.elements if e.status != "PASS"]
-    if shown:
-        lines += [format_table(_HEADERS, _rows(shown), "markdown", text_columns=set(range(7))), ""]
-    lines += [_passed_line(verdict), ""]
-    return lines
-
-
-def verdict_html(verdict: Verdict | None) -> list[str]:
-    """report.html's opening blocks."""
-    esc = html.escape
-    if verdict is None:
-        return ['<h2 class="verdict">Verdict: none</h2>', f"<p>{esc(NO_VERDICT)}</p>"]
-    counts = verdict.counts()
-    tally = ", ".join(f"{counts[status]} {status}" for status in ("FAIL", "WARN", "PASS", "SKIP"))
-    css_class = "stopped" if verdict.status == "INCOMPLETE" else esc(verdict.status)
-    blocks = [
-        f'<h2 class="verdict {css_class}">Verdict: {esc(verdict.status)}</h2>',
-        f"<p><b>{esc(verdict.reason)}</b> ({esc(tally)}; exit code {verdict.exit_code})</p>",
-        f"<p>{esc(_spec_line(verdict))} Limits: {esc(str(verdict.limits.get('source', '-')))}.</p>",
+    css = "verdict stopped" if verdict.status == "INCOMPLETE" else f"verdict {verdict.status}"
+    blocks: list[Block] = [
+        Text(f" ({tally}; exit code {verdict.exit_code})", strong=str(verdict.reason)),
+        Text(_spec_line(verdict)),
+        Text(f"Limits: {verdict.limits.get('source', '-')}."),
     ]
     shown = [e for e in verdict.elements if e.status != "PASS"]
     if shown:
-        blocks.append(format_table(_HEADERS, _rows(shown), "html", text_columns=set(range(7))))
-    blocks.append(f"<p>{esc(_passed_line(verdict))}</p>")
-    return blocks
+        blocks.append(Table(_HEADERS, _rows(shown), text_columns=set(range(7))))
+    blocks.append(Text(_passed_line(verdict)))
+    return Section(f"Verdict: {verdict.status}", tuple(blocks), css=css)

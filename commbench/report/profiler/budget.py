@@ -19,7 +19,9 @@ from commbench.fabric.budget import RECORD_TFLOPS, Budget, budget_notes, check_t
 from commbench.inputs.models import ModelConfig
 from commbench.inputs.specs import SystemSpec
 from commbench.plain import is_missing
-from commbench.report.pages.tables import format_table
+from commbench.report.frame import emulated_rows
+from commbench.report.pages.render import Bullets, Section
+from commbench.report.pages.tables import Table
 
 # The result-row column the harness adds to an MoE case's dispatch and combine rows: the most (token,
 # expert) selections any rank's experts received in the layer (Pattern.dispatch_selections.sum(0).max()).
@@ -38,11 +40,14 @@ HEADERS = (
 )
 
 
+BUDGET_TITLE = "Can the all-to-all hide behind the experts?"
+
+
 def _yes(hides: bool) -> str:
     return "yes" if hides else "no"
 
 
-def budget_table(labelled: Sequence[tuple[str, Budget]], label: str, style: str = "text") -> str:
+def budget_table(labelled: Sequence[tuple[str, Budget]], label: str) -> Table:
     """One row per budget and throughput, after a ``label`` column (the world size, the case); a budget
     that was not computed gets one row saying why."""
     body = []
@@ -67,14 +72,14 @@ def budget_table(labelled: Sequence[tuple[str, Budget]], label: str, style: str 
                     f"{_yes(forward.hides)} / {_yes(training.hides)}",
                 ]
             )
-    return format_table((label, *HEADERS), body, style, text_columns=(0, 3, 9))
+    return Table((label, *HEADERS), body, text_columns=(0, 3, 9), wide=True)
 
 
 def modelled_budget_text(budgets: Sequence[tuple[int, Budget]]) -> str:
     """``commbench simulate``'s budget: a title, the table per world size, a verdict line per size, notes."""
     lines = [
         "Can the all-to-all hide behind the experts? (one MoE layer, busiest rank, modelled all-to-all)",
-        budget_table([(str(world), budget) for world, budget in budgets], "ranks"),
+        budget_table([(str(world), budget) for world, budget in budgets], "ranks").text(),
         *(f"{world} ranks: {budget.verdict()}" for world, budget in budgets),
         *(f"note: {line}" for line in budget_notes([budget for _, budget in budgets])),
     ]
@@ -124,11 +129,11 @@ def moe_budget(
     models: ModelConfig | Iterable[ModelConfig],
     tflops: float | None = RECORD_TFLOPS,
     spec: SystemSpec | None = None,
-    style: str = "markdown",
-) -> str | None:
-    """The budget section of a run: a table per MoE case of ``frame`` (results rows; a case's pattern names
-    its model in ``models``), the hide / not-hide line of each case, and what the figures mean. None when
-    the frame has no dispatch + combine case. ``tflops`` None: the record (an option left at its default)."""
+) -> Section | None:
+    """The budget section of a run (``BUDGET_TITLE``): a table per MoE case of ``frame`` (results rows; a
+    case's pattern names its model in ``models``), the hide / not-hide line of each case, and what the
+    figures mean. None when the frame has no dispatch + combine case. ``tflops`` None: the record (an
+    option left at its default)."""
     tflops = check_tflops(RECORD_TFLOPS if tflops is None else tflops)
     if frame.empty or "phase" not in frame.columns:
         return None
@@ -156,18 +161,9 @@ def moe_budget(
         else:
             comm = float(phases["dispatch"] + phases["combine"])
             labelled.append((label, make_budget(model, selections, comm, tflops, spec)))
-    parts = [budget_table(labelled, "case", style)] if labelled else []
     verdicts = [budget.verdict() for _, budget in labelled] + skipped
-    emulated = "emulated" in moe.columns and moe["emulated"].astype(str).str.lower().eq("true").any()
     notes = budget_notes([budget for _, budget in labelled])
-    if emulated:
+    if emulated_rows(moe).any():
         notes.append("CPU or emulated rows: the all-to-all time is this host's, not a GPU fabric's")
-    bullet = "- " if style == "markdown" else ""
-    lines = [f"{bullet}{line}" for line in verdicts] + [f"{bullet}{line}" for line in notes]
-    if style == "html":
-        import html
-
-        parts.append("<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in verdicts + notes) + "</ul>")
-    else:
-        parts.append("\n".join(lines))
-    return "\n\n".join(parts)
+    table = [budget_table(labelled, "case")] if labelled else []
+    return Section(BUDGET_TITLE, (*table, Bullets(verdicts + notes)))

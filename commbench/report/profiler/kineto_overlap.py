@@ -39,7 +39,8 @@ import pandas as pd
 
 from commbench.errors import UsageError
 from commbench.inputs.userfiles import check_json_values, read_maybe_gzip, show_path
-from commbench.report.pages.tables import fmt_float, fmt_int, fmt_pct, fmt_text, format_table
+from commbench.report.pages.render import Section, Text
+from commbench.report.pages.tables import Table, fmt_float, fmt_int, fmt_pct, fmt_text
 from commbench.report.profiler.kernels import COMMUNICATION, classify_event
 from commbench.run.torch_profiler import MEASURED_PREFIX
 
@@ -353,7 +354,7 @@ def _library_cell(libraries: pd.DataFrame, rank: int) -> str:
     return ", ".join(f"{row.library} {row.comm_us:.1f}" for row in mine.itertuples()) or "-"
 
 
-def overlap_table(result: KinetoOverlap, style: str = "text") -> str:
+def overlap_table(result: KinetoOverlap) -> Table:
     """The per-rank table of the report: times in us, overlap in %, and each library's communication us."""
     headers = ["rank", "window", "comm(us)", "compute(us)", "overlap(us)", "exposed comm(us)", "overlap(%)",
                "comm by library (us)"]  # fmt: skip
@@ -371,4 +372,26 @@ def overlap_table(result: KinetoOverlap, style: str = "text") -> str:
         ]
         for row in result.ranks.itertuples()
     ]
-    return format_table(headers, cells, style, text_columns=(1, 7))
+    return Table(headers, cells, text_columns=(1, 7), wide=True)
+
+
+KINETO_NOTE = (
+    "torch.profiler (Kineto) traces of every rank's measured calls (kineto/rank<R>.json; load them in "
+    "ui.perfetto.dev). Kernels are classified as communication by a registry of names (NCCL, NVSHMEM, "
+    "commbench's put and wait kernels, torch symm_mem all_to_all_vdev, DeepEP, pplx; peer-to-peer copies), "
+    "not by a substring; everything else is compute. comm / compute = the union of their kernels' time on "
+    "the GPU; overlap = the time both ran at once; exposed = communication not hidden behind compute."
+)
+
+
+def overlap_section(result: KinetoOverlap) -> Section:
+    """The page's torch.profiler section: communication time and its overlap with compute per rank."""
+    ranks = result.ranks
+    if ranks.empty or not (pd.to_numeric(ranks.get("gpu_events"), errors="coerce").fillna(0) > 0).any():
+        shown: Table | Text = Text(
+            "No GPU kernel in the traces (a CPU run): nothing to classify; the traces hold the CPU ops."
+        )
+    else:
+        shown = overlap_table(result)
+    title = "Communication kernels and their overlap with compute (torch.profiler)"
+    return Section(title, (Text(KINETO_NOTE), shown))

@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from commbench.report.pages.tables import format_table
+from commbench.report.pages.render import Figure, Section, Text
+from commbench.report.pages.tables import Table
 
 PROFILE_FILE = "profile.csv"
 ARRIVALS_FILE = "arrivals.csv"
@@ -91,8 +92,8 @@ def step_stats(profile: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
-def step_table(profile: pd.DataFrame, style: str) -> str | None:
-    """The per-step table (markdown or html), or None without a profile."""
+def step_table(profile: pd.DataFrame) -> Table | None:
+    """The per-step table, or None without a profile."""
     if profile.empty:
         return None
     stats = step_stats(profile)
@@ -105,7 +106,7 @@ def step_table(profile: pd.DataFrame, style: str) -> str | None:
         for r in stats.itertuples()
     ]  # fmt: skip
     headers = ["case", "step", "max across ranks (us)", "p50 (us)", "p99 (us)", "share of phase (%)"]
-    return format_table(headers, rows, style, text_columns={0, 1, 2})
+    return Table(headers, rows, text_columns={0, 1, 2}, wide=True)
 
 
 def straggler_stats(arrivals: pd.DataFrame) -> pd.DataFrame:
@@ -136,7 +137,7 @@ def straggler_stats(arrivals: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(records)
 
 
-def straggler_table(arrivals: pd.DataFrame, style: str, names: dict[int, str] | None = None) -> str | None:
+def straggler_table(arrivals: pd.DataFrame, names: dict[int, str] | None = None) -> Table | None:
     """The straggler table: per case, the ranks sorted by how often they came last."""
     if arrivals.empty:
         return None
@@ -152,13 +153,14 @@ def straggler_table(arrivals: pd.DataFrame, style: str, names: dict[int, str] | 
     ]  # fmt: skip
     headers = ["case", "rank", "last (%)", "lateness mean (us)", "lateness p50 (us)", "waited p50 (us)",
                "clock uncertainty (us)"]  # fmt: skip
-    return format_table(headers, rows, style, text_columns={0, 1})
+    return Table(headers, rows, text_columns={0, 1}, wide=True)
 
 
-def peer_table(peers: pd.DataFrame, style: str) -> str | None:
-    """Per case, the [src][dst] p50 of when the receiver saw each source's data (us after it entered)."""
+def peer_table(peers: pd.DataFrame) -> list[Section]:
+    """Per case, the [src][dst] p50 of when the receiver saw each source's data (us after it entered): a
+    sub-section titled by the case, holding its matrix."""
     if peers.empty:
-        return None
+        return []
     parts = []
     for case, rows in _groups(peers):
         matrix = rows.pivot_table(index="src", columns="dst", values="seen_us", aggfunc="median")
@@ -167,10 +169,36 @@ def peer_table(peers: pd.DataFrame, style: str) -> str | None:
             [str(int(src)), *(f"{value:.1f}" if value == value else "-" for value in matrix.loc[src])]
             for src in matrix.index
         ]
-        parts.append((case_text(case), format_table(headers, body, style, text_columns={0})))
-    if style == "markdown":
-        return "\n\n".join(f"{title}\n\n{table}" for title, table in parts)
-    return "\n".join(f"<h4>{title}</h4>{table}" for title, table in parts)
+        parts.append(Section(case_text(case), (Table(headers, body, text_columns={0}),), level=4))
+    return parts
+
+
+PEER_NOTE = (
+    "Per-peer arrival matrix (us after the receiver entered the call, p50): when each source's data was "
+    "seen, from the backend's per-source signals."
+)
+
+
+def profile_sections(profile: pd.DataFrame, arrivals: pd.DataFrame, peers: pd.DataFrame) -> list[Section]:
+    """The page's profiler sections: where the time goes (the per-step table, the stacked bars per rank),
+    who arrives late, and the per-peer arrival matrices; none for a run without --profile."""
+    steps = step_table(profile)
+    if steps is None:
+        return []
+    title = "Per rank: p50 of each step per iteration (stacked)"
+    sections = [
+        Section(
+            "Profile: where the time goes",
+            (Text(PROFILE_NOTE), steps, Figure(title, lambda: stacked_bars_figure(profile))),
+        )
+    ]
+    stragglers = straggler_table(arrivals) if not arrivals.empty else None
+    if stragglers is not None:
+        sections.append(Section("Who arrives late", (Text(STRAGGLER_NOTE), stragglers)))
+    matrices = peer_table(peers)
+    if matrices:
+        sections.append(Section("Per-peer arrivals", (Text(PEER_NOTE), *matrices), level=3))
+    return sections
 
 
 def stacked_bars_figure(profile: pd.DataFrame) -> Any:

@@ -19,7 +19,7 @@ def test_one_row_per_case_with_min_median_max_of_its_windows() -> None:
     ]
     rows += [row for window in (0, 1) for row in skewed_rows(100.0 * (window + 1), window=window)]
     frame = results_frame(rows, GB300)
-    table = window_spread_table(frame, "markdown")
+    table = window_spread_table(frame).markdown()
     lines = [line for line in table.splitlines() if line.startswith("| balanced") or line.startswith("| toy")]
     assert len(lines) == 3  # balanced 4096 B, toy dispatch, toy combine
     busbw = results_frame([balanced_row(4, 4096, 20.0)], GB300)["busbw_mean_GBps"].iloc[0]
@@ -33,4 +33,4 @@ def test_one_row_per_case_with_min_median_max_of_its_windows() -> None:
 
 def test_no_table_with_one_window_per_case() -> None:
     frame = results_frame([balanced_row(4, 4096, 10.0), *skewed_rows()], GB300)
-    assert window_spread_table(frame, "markdown") is None
+    assert window_spread_table(frame) is None

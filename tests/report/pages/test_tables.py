@@ -46,7 +46,7 @@ def markdown_rows(table: str) -> list[list[str]]:
 def test_balanced_table_uses_nccl_tests_mean_time_and_moe_table_p50() -> None:
     rows = [balanced_row(4, 4096, 10.0, time_us_mean=16.0), *skewed_rows(time_us_mean=150.0)]
     frame = results_frame(rows, GB300)
-    tables = dict(pattern_tables(frame, "markdown"))
+    tables = {name: table.markdown() for name, table in pattern_tables(frame)}
     header, _, balanced = markdown_rows(tables["balanced"])
     cells = dict(zip(header, balanced, strict=True))
     assert cells["time mean(us)"] == "16.0" and cells["p50(us)"] == "10.0"
@@ -60,10 +60,8 @@ def test_balanced_table_uses_nccl_tests_mean_time_and_moe_table_p50() -> None:
 
 def test_tables_show_timing_only_where_rows_mix_modes() -> None:
     same = [balanced_row(4, 4096, 10.0, timing="window"), balanced_row(4, 8192, 10.0, timing="window")]
-    assert "timing" not in dict(pattern_tables(results_frame(same, GB300), "markdown"))["balanced"]
+    assert "timing" not in dict(pattern_tables(results_frame(same, GB300)))["balanced"].markdown()
     mixed = [balanced_row(4, 4096, 10.0, timing="window"), balanced_row(4, 4096, 10.0)]  # older row: none
-    header, _, *body = markdown_rows(
-        dict(pattern_tables(results_frame(mixed, GB300), "markdown"))["balanced"]
-    )
+    header, _, *body = markdown_rows(dict(pattern_tables(results_frame(mixed, GB300)))["balanced"].markdown())
     column = header.index("timing")
     assert [row[column] for row in body] == ["window", "iteration"]

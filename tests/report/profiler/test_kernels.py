@@ -162,7 +162,7 @@ def test_kinds_and_sources():
 
 def test_commbench_names_are_the_triton_kernels_of_the_nvshmem_backend():
     """The registry names commbench's @triton.jit functions exactly (read from the source: no triton here)."""
-    source = Path(__file__).resolve().parents[2] / "commbench" / "backends" / "shmem" / "kernels.py"
+    source = Path(__file__).resolve().parents[3] / "commbench" / "backends" / "shmem" / "kernels.py"
     tree = ast.parse(source.read_text(encoding="utf-8"))
 
     def is_triton_jit(decorator: ast.expr) -> bool:

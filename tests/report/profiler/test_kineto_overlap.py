@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from commbench.errors import UsageError
+from commbench.report.pages.render import markdown_page
 from commbench.report.profiler import kineto_overlap
 from commbench.report.profiler.kineto_overlap import (
     WINDOW_MEASURED,
@@ -24,13 +25,14 @@ from commbench.report.profiler.kineto_overlap import (
     load_trace,
     overlap_from_folder,
     overlap_from_traces,
+    overlap_section,
     overlap_table,
     trace_files,
     union_segments,
 )
 from commbench.run.torch_profiler import MEASURED_PREFIX
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "kineto_overlap"
+DATA = Path(__file__).resolve().parents[2] / "data" / "kineto_overlap"
 
 
 def _row(frame, **match):
@@ -105,10 +107,20 @@ def test_kernel_summary_says_how_each_name_was_classified():
 
 
 def test_table_shows_each_rank_and_its_libraries():
-    table = overlap_table(overlap_from_folder(DATA), "text").splitlines()
+    table = overlap_table(overlap_from_folder(DATA)).text().splitlines()
     assert len(table) == 3
     assert "overlap(%)" in table[0]
     assert "43.8" in table[1] and "commbench 60.0, deepep 100.0, memcpy 20.0, nccl 60.0" in table[1]
+
+
+def test_the_section_holds_the_note_and_the_rank_table() -> None:
+    page = markdown_page([overlap_section(overlap_from_folder(DATA))])
+    assert page.startswith("## Communication kernels and their overlap with compute (torch.profiler)\n")
+    header = next(line for line in page.splitlines() if line.startswith("| rank"))
+    assert "registry of names" in page and [cell.strip() for cell in header.split("|")[1:3]] == [
+        "rank",
+        "window",
+    ]
 
 
 def test_gzip_trace_reads_the_same(tmp_path):

@@ -1,8 +1,8 @@
 """Re-rendering a saved run (``commbench report DIR``) never changes its data files.
 
-A run writes results.json and results.parquet from its rows in memory; a re-render writes them again from
-results.csv and ranks.csv read back. Both go through ``report.frame.canonical_rows``, so the two frames are
-the same and so are the files.
+A run's pages and a re-render's come from the same place: the folder's files read back typed
+(``report.folder.reading``) through ``render_folder``, so results.json and results.parquet are written the
+same both times, and the typed read-back holds each column once in one type.
 """
 
 from __future__ import annotations
@@ -47,22 +47,6 @@ def _files(out: Path) -> dict[str, tuple[bytes, int, int]]:
     return files
 
 
-def _parquet_without_attrs(data: bytes) -> bytes:
-    """The parquet file written again without the frame's ``attrs``, so that everything else (columns, types,
-    values, pandas' dtypes) is compared byte for byte: pandas stores ``DataFrame.attrs`` in the file's
-    metadata, and the run's frame has meta.json there (``ReportWriter.finalize`` sets ``attrs["meta"]``
-    before rendering) where a re-rendered one has none (``render_report`` sets it after)."""
-    table = pq.read_table(io.BytesIO(data))
-    metadata = dict(table.schema.metadata or {})
-    metadata.pop(b"PANDAS_ATTRS", None)
-    pandas_metadata = json.loads(metadata.get(b"pandas", b"{}"))
-    pandas_metadata.pop("attributes", None)
-    metadata[b"pandas"] = json.dumps(pandas_metadata).encode()
-    buffer = io.BytesIO()
-    pq.write_table(table.replace_schema_metadata(metadata), buffer)
-    return buffer.getvalue()
-
-
 def assert_rerender_keeps_the_data_files(out: Path) -> None:
     before = _files(out)
     render_report(out)
@@ -76,11 +60,11 @@ def assert_rerender_keeps_the_data_files(out: Path) -> None:
     assert [(f.name, str(f.type)) for f in again.schema] == [(f.name, str(f.type)) for f in first.schema]
     assert again.equals(first)
     pd.testing.assert_frame_equal(pd.read_parquet(io.BytesIO(new)), pd.read_parquet(io.BytesIO(old)))
-    assert _parquet_without_attrs(new) == _parquet_without_attrs(old)
+    assert new == old  # byte for byte: both renders write the frame of the same read-back
 
 
 # ---------------------------------------------------------------------------------------------------------
-# In memory: rows with every kind of column that a CSV cannot hold as it is
+# Rows with every kind of column that a CSV cannot hold as it is
 
 
 def _rows() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -106,27 +90,27 @@ def _rows() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     return rows, rank_rows
 
 
-def test_rows_in_memory_and_read_back_give_the_same_frames(tmp_path: Path) -> None:
+def test_the_run_and_a_rerender_render_the_same_typed_rows(tmp_path: Path) -> None:
     rows, rank_rows = _rows()
     writer = ReportWriter(tmp_path / "run", {"args": {}}, HGX)
     for row in rows:  # one phase at a time, as the harness adds them
         writer.add([row], [r for r in rank_rows if r["phase"] == row["phase"]])
-    writer.finalize()
+    finished = writer.finalize()
     _, results, ranks = read_report(tmp_path / "run")
 
-    in_memory, read_back = results_frame(rows, HGX), results_frame(results, HGX)
-    pd.testing.assert_frame_equal(read_back, in_memory, check_exact=True)
-    pd.testing.assert_frame_equal(rank_frame(ranks), rank_frame(rank_rows), check_exact=True)
-    # What the frame holds: what a CSV can hold, and the same whichever way the rows came.
-    assert in_memory["knobs"].tolist() == ["chunk=4 signal=chunk", "chunk=auto signal=chunk"]
-    assert in_memory["chunk"].tolist() == ["4", "auto"]  # mixed kinds: the text of each, as read back
-    assert in_memory["flag"].tolist() == [True, None]
-    assert in_memory["never_set"].dtype == float and in_memory["never_set"].isna().all()
-    assert in_memory["tokens_per_rank"].dtype == float and in_memory["maxvio"].dtype == float
-    assert in_memory["skew"].isna().tolist() == [True, False]
-    assert pd.api.types.is_string_dtype(in_memory["send_mode"])
-    assert in_memory["scaleout_bottleneck_dir"].tolist() == ["", "recv"]  # "" where nothing crossed
-    assert rank_frame(rank_rows)["size_bytes"].dtype == float
+    read_back = results_frame(results, HGX)
+    pd.testing.assert_frame_equal(finished, read_back, check_exact=True)
+    # The typed read-back: each column in one type, whatever the harness's rows held in memory.
+    assert read_back["knobs"].tolist() == ["chunk=4 signal=chunk", "chunk=auto signal=chunk"]
+    assert read_back["chunk"].tolist() == ["4", "auto"]  # mixed kinds: the text of each
+    assert read_back["flag"].tolist() == [True, None]
+    assert read_back["emulated"].dtype == bool
+    assert read_back["never_set"].dtype == float and read_back["never_set"].isna().all()
+    assert read_back["tokens_per_rank"].dtype == float and read_back["maxvio"].dtype == float
+    assert read_back["skew"].isna().tolist() == [True, False]
+    assert pd.api.types.is_string_dtype(read_back["send_mode"])
+    assert read_back["scaleout_bottleneck_dir"].tolist() == ["", "recv"]  # "" where nothing crossed
+    assert rank_frame(ranks)["size_bytes"].dtype == float
 
     first = json.loads((tmp_path / "run" / "results.json").read_text())["results"]
     assert [result["scaleout_bottleneck_dir"] for result in first] == ["", "recv"]  # "", never null

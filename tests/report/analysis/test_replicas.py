@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from commbench.report.analysis.replicas import replicas_table
+from commbench.report.analysis.replicas import replicas_section, replicas_table
+from commbench.report.pages.render import html_page, markdown_page
 
 
 def row(
@@ -41,7 +42,7 @@ def test_pairs_each_case_with_its_replicas_case() -> None:
     )
     table = replicas_table(frame)
     assert table is not None
-    lines = table.splitlines()
+    lines = table.text().splitlines()
     assert len(lines) == 2
     assert lines[0].split()[:4] == ["model", "skew", "tokens/rank", "replicas"]
     # recv max/mean: 2000 / (4000 / 4) = 2.0 without, 1.1 with; dispatch 200 -> 80 us (0.4), combine 0.75.
@@ -51,10 +52,13 @@ def test_pairs_each_case_with_its_replicas_case() -> None:
     ]  # fmt: skip
 
 
-def test_markdown_and_html_styles() -> None:
+def test_the_section_holds_the_note_and_the_table() -> None:
     frame = pd.DataFrame([row("dispatch", 10.0, 2000), row("dispatch", 5.0, 1000, knobs="replicas=8")])
-    assert replicas_table(frame, "markdown").startswith("| model")
-    assert "<table>" in replicas_table(frame, "html")
+    section = replicas_section(frame)
+    assert section is not None and section.title == "What EPLB replicas buy"
+    assert markdown_page([section]).startswith("## What EPLB replicas buy\n\nEach MoE case ran twice")
+    assert "| model" in markdown_page([section]) and "<table>" in html_page("t", [section])
+    assert replicas_section(pd.DataFrame()) is None
 
 
 def test_no_table_without_a_pair() -> None:

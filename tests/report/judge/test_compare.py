@@ -18,8 +18,8 @@ from commbench.report.judge.compare import (
     comparison_markdown,
     findings_markdown,
 )
+from tests.report.judge.test_baseline import HGX, make_folder
 from tests.report.rows import balanced_row, skewed_rows
-from tests.report.test_baseline import HGX, make_folder
 
 SIZE = 4096
 

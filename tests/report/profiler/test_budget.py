@@ -4,7 +4,9 @@ from commbench.fabric.budget import compute_time_us, expert_flops
 from commbench.inputs.models import ModelConfig, load_model
 from commbench.inputs.specs import load_spec
 from commbench.report.frame import results_frame
-from commbench.report.profiler.budget import BUSIEST_COLUMN, moe_budget
+from commbench.report.pages.render import Section, html_page, markdown_page
+from commbench.report.pages.tables import Table
+from commbench.report.profiler.budget import BUDGET_TITLE, BUSIEST_COLUMN, moe_budget
 from tests.report.rows import balanced_row, skewed_rows
 
 # skewed_rows: pattern "toy", dispatch p50 100 us, combine p50 200 us: 300 us of all-to-all per layer.
@@ -19,10 +21,21 @@ def _frame(time_us: float = 100.0, **extra):
     return results_frame(rows, load_spec("hgx-h100"))
 
 
+def _markdown(section: Section | None) -> str:
+    """The section's body in summary.md (its blocks, blank-line separated)."""
+    assert section is not None and section.title == BUDGET_TITLE
+    return markdown_page(section.blocks).strip()
+
+
+def _table_text(section: Section | None) -> str:
+    """The section's table as stdout prints it."""
+    assert section is not None and isinstance(section.blocks[0], Table)
+    return section.blocks[0].text()
+
+
 def test_moe_case_table_ratio_and_verdict():
     spec = load_spec("hgx-h100")
-    text = moe_budget(_frame(**{BUSIEST_COLUMN: SELECTIONS}), TOY, tflops=500, spec=spec, style="markdown")
-    assert text is not None
+    text = _markdown(moe_budget(_frame(**{BUSIEST_COLUMN: SELECTIONS}), TOY, tflops=500, spec=spec))
     table, notes = text.split("\n\n")
     lines = table.splitlines()
     assert lines[0].startswith("| case") and "comm/compute fwd" in lines[0]
@@ -39,7 +52,7 @@ def test_moe_case_table_ratio_and_verdict():
 
 def test_hidden_when_the_all_to_all_is_short():
     fast = COMPUTE_US / 3 * 0.9  # dispatch t + combine 2t = 0.9 x the forward compute
-    text = moe_budget(_frame(fast, **{BUSIEST_COLUMN: SELECTIONS}), [TOY], tflops=500, spec=None)
+    text = _markdown(moe_budget(_frame(fast, **{BUSIEST_COLUMN: SELECTIONS}), [TOY], tflops=500, spec=None))
     assert "yes / yes" in text and "training hides it" in text and "forward hides it" in text
 
 
@@ -47,7 +60,7 @@ def test_windows_take_the_median_of_each_phase():
     rows = skewed_rows(100.0, window=0, **{BUSIEST_COLUMN: SELECTIONS})
     rows += skewed_rows(110.0, window=1, **{BUSIEST_COLUMN: SELECTIONS})
     rows += skewed_rows(500.0, window=2, **{BUSIEST_COLUMN: SELECTIONS})
-    text = moe_budget(results_frame(rows, load_spec("hgx-h100")), TOY, tflops=500, style="text")
+    text = _table_text(moe_budget(results_frame(rows, load_spec("hgx-h100")), TOY, tflops=500))
     assert "330.0" in text.splitlines()[1]  # median 110 + median 220
 
 
@@ -56,7 +69,7 @@ def test_selection_mode_reads_the_received_rows_without_the_column():
     for row in rows:
         row["send_mode"] = "selection"
     frame = results_frame(rows, load_spec("hgx-h100"))
-    text = moe_budget(frame, TOY, tflops=500, style="text")
+    text = _table_text(moe_budget(frame, TOY, tflops=500))
     # The busiest rank received 1,240,000 bytes in dispatch = 1,240 selection rows of 1,000 bytes.
     assert text.splitlines()[1].split()[6] == "1240"
     assert f"{expert_flops(TOY, 1240) / 1e9:.1f}" in text.splitlines()[1]
@@ -64,13 +77,13 @@ def test_selection_mode_reads_the_received_rows_without_the_column():
 
 
 def test_what_is_missing_is_said():
-    text = moe_budget(_frame(), TOY, style="markdown")  # token mode, no column
+    text = _markdown(moe_budget(_frame(), TOY))  # token mode, no column
     assert f"not computed: the rows have no {BUSIEST_COLUMN} column" in text
-    other = moe_budget(_frame(**{BUSIEST_COLUMN: 10}), load_model("deepseek-v3"))
+    other = _markdown(moe_budget(_frame(**{BUSIEST_COLUMN: 10}), load_model("deepseek-v3")))
     assert "not computed: model toy not given" in other
     bare = ModelConfig("toy", hidden=4096, num_experts=16, topk=4)
-    assert "not computed: no moe_intermediate in model toy" in moe_budget(
-        _frame(**{BUSIEST_COLUMN: 10}), bare
+    assert "not computed: no moe_intermediate in model toy" in _markdown(
+        moe_budget(_frame(**{BUSIEST_COLUMN: 10}), bare)
     )
     balanced_only = results_frame([balanced_row(4, 1 << 20, 50.0)], load_spec("hgx-h100"))
     assert moe_budget(balanced_only, TOY) is None
@@ -79,6 +92,6 @@ def test_what_is_missing_is_said():
 def test_html_and_cpu_note():
     frame = _frame(**{BUSIEST_COLUMN: SELECTIONS})
     frame["emulated"] = True
-    text = moe_budget(frame, TOY, tflops=None, style="html")
-    assert text.startswith("<table>") and "<li>toy at 1648 TFLOPs/GPU" in text
+    text = html_page("budget", [moe_budget(frame, TOY, tflops=None)])
+    assert '<div class="wide"><table>' in text and "<li>toy at 1648 TFLOPs/GPU" in text
     assert "not a GPU fabric" in text
