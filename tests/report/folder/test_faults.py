@@ -137,16 +137,16 @@ def _error_lines(done: subprocess.CompletedProcess[str]) -> list[str]:
     return [line for line in done.stderr.splitlines() if line.startswith("commbench: error:")]
 
 
-BALANCED_RUN = ["run", "--pattern", "balanced", "--min-bytes", "1K", "--max-bytes", "1M", "--backend"]
+BALANCED_RUN = ["run", "--pattern", "balanced", "--min-bytes", "1K", "--max-bytes", "16M", "--backend"]
 BALANCED_RUN += ["gloo", "--world-size", "2", "--warmup", "1", "--iters", "2"]
-SIZES = [1024 << step for step in range(11)]
+SIZES = [1024 << step for step in range(15)]
 
 
 @pytest.mark.parametrize(
     ("limit", "fails_in"),
     [
-        # meta.json (~4.3 KiB) fits, results.csv (~500 B a row) and ranks.csv run out before 11 phases end
-        (5 << 10, "csv"),
+        # meta.json (~5.2 KiB) fits, results.csv (~500 B a row) and ranks.csv run out before 15 phases end
+        (6 << 10, "csv"),
         # every CSV fits, report.html (~90 KiB of plots) does not
         (48 << 10, "pages"),
     ],
