@@ -44,7 +44,7 @@ def baseline(run_dirs: tuple[str, ...], out: str, force: bool) -> None:
             [
                 entry["label"],
                 str(entry["runs"]),
-                str(entry["windows"]),
+                str(entry["repeats"]),
                 fmt_time(time["median"]),
                 fmt_time(time["min"]),
                 fmt_time(time["max"]),
@@ -52,7 +52,7 @@ def baseline(run_dirs: tuple[str, ...], out: str, force: bool) -> None:
                 "unknown" if spread is None else f"+-{spread:.1f}%",
             ]
         )
-    headers = ["case", "runs", "windows", "time p50(us)", "min", "max", "busbw(GB/s)", "busbw spread"]
+    headers = ["case", "runs", "repeats", "time p50(us)", "min", "max", "busbw(GB/s)", "busbw spread"]
     click.echo(format_table(headers, rows, "text", text_columns={0}))
     write_baseline(made, path)
     click.echo(f"commbench: baseline of {len(rows)} case(s) from {len(runs)} run(s) written to {path}")

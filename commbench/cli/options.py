@@ -399,9 +399,9 @@ REPEAT = click.option(
     "--repeat",
     type=click.IntRange(min=1, max=MAX_WINDOWS),
     default=None,
-    help="Measurement windows per case: each case runs N times, round after round, and the report shows its "
-    "spread (min/median/max over windows). Default: run 1; suite 3 for the MoE cases (their skew cost is a "
-    "ratio of two times) and 1 for the balanced sweep, 1 with --quick.",
+    help="Measurements per case: each case runs N times (repeat 0..N-1), round after round, and the report "
+    "shows its range (min/median/max over repeats). Default: run 1; suite 3 for the MoE cases (their skew "
+    "cost is a ratio of two times) and 1 for the balanced sweep, 1 with --quick.",
 )
 RESUME = click.option(
     "--resume",
@@ -459,7 +459,7 @@ def imbalance_cost_option(default: bool) -> Decorator:
         "--imbalance-cost/--no-imbalance-cost",
         default=default,
         show_default=True,
-        help="After each MoE case, rerun dispatch and combine (same code path, same launch) on a balanced "
-        "layout of the same rows, and add balanced_time_us_p50, skew_cost (= skewed time / balanced time) "
+        help="After each MoE case, rerun dispatch and combine (same code path, same launch) on a uniform "
+        "layout of the same rows, and add uniform_ref_time_us_p50, skew_cost (= skewed time / uniform time) "
         "and skew_bw_loss_pct to its rows.",
     )

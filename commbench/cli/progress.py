@@ -50,9 +50,9 @@ class Progress:
             skew = record.get("skew")
             known = isinstance(skew, str) and skew != ""  # trace calls (--pattern kineto) have none
             case = "alltoall" if phase == "alltoall" else f"{skew} {phase}" if known else str(phase)
-            window = f" window {row['window']}" if row.get("window") else ""
+            repeat = f" repeat {row['repeat']}" if row.get("repeat") else ""
             click.echo(
-                f"[{self.done}/{self.total}] {record.get('pattern')} {case}{window}{self._setting(row)}: "
+                f"[{self.done}/{self.total}] {record.get('pattern')} {case}{repeat}{self._setting(row)}: "
                 f"size {int(record['size_bytes'])} B, {record['time_us_p50']:.1f} us, "
                 f"busbw {format_bandwidth(record['busbw_GBps'])} GB/s, "
                 f"#wrong {fmt_wrong(record.get('wrong'))} ({self._clock()})",

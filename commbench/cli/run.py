@@ -149,7 +149,7 @@ def run(
         sizes = None
         cfg = build_routing_config(moe, world, dry_run=False)
         jobs = [moe_job(case, moe.send_mode, settings) for case in replica_cases(cfg)]  # --replicas: 2 cases
-    jobs = [replace(job, window=window) for window in range(repeat or 1) for job in jobs]
+    jobs = [replace(job, repeat=index) for index in range(repeat or 1) for job in jobs]
     if pattern_kind != "kineto":  # checked by _kineto_job (cli.resources sizes MoE and balanced jobs)
         check_jobs(jobs, settings)
     is_moe = pattern_kind == "moe"
@@ -262,8 +262,8 @@ def _kineto_job(path: str | None, world: int, settings: LaunchSettings) -> tuple
     type=opt.Duration(),
     default=None,
     help="Soak test: run the largest balanced size and the MoE cases round after round for this long (e.g. "
-    "30m, 2h); busbw per window over time in report.html, each case's drift from its first windows to its "
-    "last judged (soak.drift_*_pct), with the health counters before/after and #wrong of every window.",
+    "30m, 2h); busbw per round over time in report.html, each case's drift from its first rounds to its "
+    "last judged (soak.drift_*_pct), with the health counters before/after and #wrong of every round.",
 )
 @click.option(
     "--pairwise/--no-pairwise",
@@ -324,13 +324,13 @@ def suite(
             moe = MoeInputs(model, skew, tokens, seed, 0.0, None, "token", replicas)
             cfg = build_routing_config(moe, world, dry_run=False)
             cases += [moe_job(case, "token", settings) for case in replica_cases(cfg)]  # --replicas: 2
-    # Round after round: each window of a case is apart in time from its others, as separate runs would be.
+    # Round after round: each repeat of a case is apart in time from its others, as separate runs would be.
     rounds = max(repeat or 1, moe_repeat)
     jobs = [
-        replace(job, window=window)
-        for window in range(rounds)
+        replace(job, repeat=index)
+        for index in range(rounds)
         for job in cases
-        if window < (moe_repeat if job.kind == "moe" else repeat or 1)
+        if index < (moe_repeat if job.kind == "moe" else repeat or 1)
     ]
     check_jobs(jobs, settings)
     args = {

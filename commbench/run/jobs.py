@@ -59,7 +59,7 @@ class MoeJob:
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
     timing: str = "iteration"  # TIMINGS: per-iteration checks and percentiles
-    window: int = 0  # which measurement window of its case (suite --repeat): 0, 1, ...
+    repeat: int = 0  # which measurement of its case (suite --repeat, soak rounds): 0, 1, ...
 
     def check(self, world_size: int) -> None:
         """UsageError unless the job can run on ``world_size`` ranks."""
@@ -92,7 +92,7 @@ class BalancedJob:
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
     timing: str = "window"  # TIMINGS: nccl-tests' default
-    window: int = 0  # which measurement window of its case (suite --repeat): 0, 1, ...
+    repeat: int = 0  # which measurement of its case (suite --repeat, soak rounds): 0, 1, ...
 
     def check(self, world_size: int) -> None:
         """UsageError unless every size can run on ``world_size`` ranks."""
@@ -135,7 +135,7 @@ class MatrixJob:
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
     timing: str = "window"  # TIMINGS: as the balanced sweep (nccl-tests' alltoallv_perf)
-    window: int = 0  # which measurement window of its case (suite --repeat): 0, 1, ...
+    repeat: int = 0  # which measurement of its case (suite --repeat, soak rounds): 0, 1, ...
 
     def check(self, world_size: int) -> None:
         """UsageError unless every call is a [world][world] matrix of whole non-negative bytes."""
@@ -173,7 +173,7 @@ class RunOptions:
     # Layout overrides (CPU runs, what-ifs): contiguous ranks per NVLink domain / per host; None = discover.
     ranks_per_domain: int | None = None
     ranks_per_host: int | None = None
-    # Rerun each MoE job's phases on a balanced layout of the same rows (the balanced_* columns).
+    # Rerun each MoE job's phases on a uniform layout of the same rows (the uniform_ref_* columns).
     imbalance_cost: bool = False
     # How the timed iterations are verified (CHECK_MODES, or CHECK_OFF in benchmarks only).
     check_mode: str = "checksum"

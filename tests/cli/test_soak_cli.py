@@ -31,7 +31,7 @@ def test_a_short_soak_repeats_the_cases_and_judges_their_drift(tmp_path: Path) -
     verdict = read_verdict_json(out / "verdict.json")
     drift = [e for e in verdict.elements if e.group == "soak"]
     assert len(drift) == 3 and all(e.name.endswith("drift") and e.status == "PASS" for e in drift)
-    assert "Soak: bandwidth per window over time" in (out / "report.html").read_text()
+    assert "Soak: bandwidth per round over time" in (out / "report.html").read_text()
 
 
 @pytest.mark.parametrize(

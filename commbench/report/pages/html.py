@@ -15,8 +15,8 @@ import pandas as pd
 
 from commbench.inputs.specs import SystemSpec, has_figures
 from commbench.plain import is_missing
+from commbench.report.analysis.repeats import REPEAT_NOTE, repeat_range_table
 from commbench.report.analysis.soak import soak_figure
-from commbench.report.analysis.windows import WINDOW_NOTE, window_spread_table
 from commbench.report.frame import CONVENTIONS, average_bus_bandwidth, balanced_rows
 from commbench.report.judge.verdict import Verdict
 from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
@@ -156,9 +156,9 @@ def summary_markdown(
     costs = skew_cost_table(frame, "markdown")
     if costs:
         parts += ["## What skew costs", "", SKEW_COST_NOTE, "", costs, ""]
-    spread = window_spread_table(frame, "markdown")
+    spread = repeat_range_table(frame, "markdown")
     if spread:
-        parts += ["## Spread over windows", "", WINDOW_NOTE, "", spread, ""]
+        parts += ["## Range over repeats", "", REPEAT_NOTE, "", spread, ""]
     parts += replicas_section(frame, "markdown")
     parts += budget_section(frame, meta, spec, "markdown")
     parts += profile_section(extras or ExtraTables(), "markdown")
@@ -238,7 +238,7 @@ def report_html(
     ]
     soak = soak_figure(frame)
     if soak is not None:  # a soak run: bandwidth over time first of the plots
-        plots.insert(0, ("Soak: bandwidth per window over time", figure_png(soak)))
+        plots.insert(0, ("Soak: bandwidth per round over time", figure_png(soak)))
         plots = plots[:1] + plots[2:]  # one plot of the balanced sweep is a single size: drop it
     for title, png in plots[:2]:
         if png:
@@ -258,11 +258,11 @@ def report_html(
     costs = skew_cost_table(frame, "html")
     if costs:
         body += ["<h2>What skew costs</h2>", f"<p>{esc(SKEW_COST_NOTE)}</p>", costs]
-    spread = window_spread_table(frame, "html")
+    spread = repeat_range_table(frame, "html")
     if spread:
         body += [
-            "<h2>Spread over windows</h2>",
-            f"<p>{esc(WINDOW_NOTE)}</p>",
+            "<h2>Range over repeats</h2>",
+            f"<p>{esc(REPEAT_NOTE)}</p>",
             f'<div class="wide">{spread}</div>',
         ]
     body += replicas_section(frame, "html")
