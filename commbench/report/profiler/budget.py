@@ -2,9 +2,10 @@
 
 ``budget_table`` formats budgets (``commbench.fabric.budget``) through the one table printer; ``moe_budget``
 builds them from a results frame's MoE rows: per MoE layer (``run.case.Case.layer``), dispatch + combine
-time p50 (the median over its repeats) and the busiest rank's (token, expert) selections from the rows' ``busiest_rank_selections``
-column (``BUSIEST_COLUMN``). A selection-mode case without that column still has it: its dispatch row's
-``max_recv_bytes / row_bytes`` is that count (one row per selection, self traffic included).
+time p50 (the median over its repeats) and the busiest rank's (token, expert) selections from the rows'
+``busiest_rank_selections`` column (``BUSIEST_COLUMN``). A selection-mode case without that column still
+has it: its dispatch row's ``max_recv_bytes / row_bytes`` is that count (one row per selection, self
+traffic included).
 """
 
 from __future__ import annotations
