@@ -11,8 +11,9 @@ the same names):
   files with the same ``name:`` but another hidden size or top-k are two cases (None for a job without a
   model, and in folders written before rows carried it);
 - ``skew``, ``tokens_per_rank``, ``send_mode`` (MoE jobs; None otherwise);
-- ``size_bytes`` only for a row without routing (balanced sizes, matrix calls): an MoE phase's size follows
-  from its routing, and a rank row of an MoE phase has none;
+- ``size_bytes`` only for a row without routing (balanced sizes, matrix calls): an MoE phase's size (a
+  "dispatch" or "combine" row, or one with tokens per rank) follows from its routing, and a rank row of an
+  MoE phase has none;
 - ``backend`` (its label), ``world_size``, ``knobs`` (the knob setting as "k=v k=v" text: a dict in memory
   and text in the files are the same case), ``check`` and ``timing`` (they change what the timed loop does).
 
@@ -56,6 +57,7 @@ IDENTITY = (
     "check",
     "timing",
 )
+MOE_PHASES = ("dispatch", "combine")  # routed phases: their size is not identity
 REPEAT_COLUMN = "repeat"  # which measurement of its case a row is (0, 1, ...; suite --repeat, soak rounds)
 # Every row column a Case reads: what rank, profile and arrival rows repeat of their result row.
 CASE_FIELDS = (*IDENTITY, REPEAT_COLUMN)
@@ -119,8 +121,8 @@ class Case:
         None (``repeat`` 0)."""
         values = {name: cell(row.get(name)) for name in IDENTITY}
         values["knobs"] = cell(knobs_text(row.get("knobs")))
-        if values["tokens_per_rank"] is not None:  # routed: the size follows from the routing
-            values["size_bytes"] = None
+        if values["tokens_per_rank"] is not None or values["phase"] in MOE_PHASES:
+            values["size_bytes"] = None  # routed: the size follows from the routing
         for name in ("pattern", "phase", "model_digest", "skew", "send_mode", "backend", "check", "timing"):
             if values[name] is not None:
                 values[name] = str(values[name])
@@ -155,7 +157,7 @@ class Case:
     @property
     def routed(self) -> bool:
         """Whether the case is an MoE phase (routed tokens), not a balanced size or a matrix call."""
-        return self.tokens_per_rank is not None
+        return self.tokens_per_rank is not None or self.phase in MOE_PHASES
 
     @property
     def label(self) -> str:
@@ -196,8 +198,14 @@ def case_index(
     raw = frame[present].copy()
     if "knobs" in raw.columns:  # a dict (in memory) is not hashable: its text is the same case
         raw["knobs"] = raw["knobs"].map(knobs_text)
-    if "size_bytes" in raw.columns and "tokens_per_rank" in raw.columns:
-        raw.loc[raw["tokens_per_rank"].notna(), "size_bytes"] = None  # routed: size is not identity
+    if "size_bytes" in raw.columns:  # routed: size is not identity (as in Case.from_row)
+        routed = np.zeros(len(raw), dtype=bool)
+        if "phase" in raw.columns:
+            routed |= raw["phase"].isin(MOE_PHASES).to_numpy()
+        if "tokens_per_rank" in raw.columns:
+            routed |= raw["tokens_per_rank"].notna().to_numpy()
+        if routed.any():
+            raw.loc[routed, "size_bytes"] = None
     if not present:
         return np.zeros(len(frame), dtype=np.int64), [Case()]
     # sort=False numbers the groups in the order they first appear.
