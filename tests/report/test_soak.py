@@ -34,9 +34,7 @@ def soak_rows(busbw: list[float]) -> pd.DataFrame:
 )
 def test_drift_between_the_first_and_last_rounds_is_judged(busbw: list[float], status: str) -> None:
     elements = soak_elements(soak_rows(busbw), GPU)
-    assert [(e.group, e.name, e.status) for e in elements] == [
-        ("soak", "balanced 1 GiB drift", status)
-    ]
+    assert [(e.group, e.name, e.status) for e in elements] == [("soak", "balanced 1 GiB drift", status)]
 
 
 def test_drift_compares_medians_of_up_to_three_rounds_at_each_end() -> None:

@@ -34,7 +34,7 @@ RESULT_KEYS = {
     "expert_max_mean", "maxvio", "expert_cv", "num_domains", "ranks_per_domain", "layout_source",
     "nvlink_bytes", "scaleout_bytes", "nvlink_bottleneck_rank", "nvlink_bottleneck_dir",
     "nvlink_bottleneck_bytes", "scaleout_bottleneck_rank", "scaleout_bottleneck_dir",
-    "scaleout_bottleneck_bytes", "knobs", "check", "timing", "window",
+    "scaleout_bottleneck_bytes", "knobs", "check", "timing", "repeat", "model_digest",
 }  # fmt: skip
 IMBALANCE_KEYS = {"uniform_ref_size_bytes", "uniform_ref_total_bytes", "uniform_ref_time_us_p50"}
 BYTE_KEYS = (
@@ -336,7 +336,8 @@ def check_link_classes(rows, rank_rows, job):
         world = 4
         pair_bytes = balanced_pair_rows(world, int(m.sum()) // row["row_bytes"]) * row["row_bytes"]
         assert row["uniform_ref_total_bytes"] == m.sum() == pair_bytes.sum()
-        assert row["uniform_ref_size_bytes"] == max(pair_bytes.sum(axis=0).max(), pair_bytes.sum(axis=1).max())
+        busiest = max(pair_bytes.sum(axis=0).max(), pair_bytes.sum(axis=1).max())
+        assert row["uniform_ref_size_bytes"] == busiest
         assert row["uniform_ref_size_bytes"] <= row["size_bytes"]  # skew never makes the busiest rank lighter
         assert row["uniform_ref_time_us_p50"] > 0
 
