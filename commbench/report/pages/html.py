@@ -49,6 +49,7 @@ from commbench.report.pages.tables import (
     time_note,
 )
 from commbench.report.pages.verdict_view import verdict_html, verdict_markdown
+from commbench.run.case import group_by_case
 
 
 def environment_lines(meta: dict[str, Any]) -> list[tuple[str, str]]:
@@ -386,21 +387,6 @@ def _plot_per_gpu_vs_spec(frame: pd.DataFrame, spec: SystemSpec) -> str | None:
     return figure_png(figure)
 
 
-def _rank_case_title(values: dict[str, Any]) -> str:
-    """e.g. "deepseek-v3, skew zipf:1.2, token mode, 512 tokens/rank" (missing parts left out)."""
-    parts = [fmt_text(values.get("pattern"))]
-    if not is_missing(values.get("skew")):
-        parts.append(f"skew {values['skew']}")
-    if not is_missing(values.get("send_mode")):
-        parts.append(f"{values['send_mode']} mode")
-    if not is_missing(values.get("tokens_per_rank")):
-        parts.append(f"{int(values['tokens_per_rank'])} tokens/rank")
-    if not is_missing(values.get(KNOB_SETTING_COLUMN)):
-        parts.append(str(values[KNOB_SETTING_COLUMN]))
-    return ", ".join(parts)
-
-
-_RANK_CASE_KEYS = ("pattern", "skew", "send_mode", "tokens_per_rank", "size_bytes", KNOB_SETTING_COLUMN)
 _MAX_RANK_PLOTS = 12
 
 
@@ -412,14 +398,15 @@ def _plot_ranks(ranks: pd.DataFrame) -> list[tuple[str, str]]:
     if ranks.empty or not needed <= set(ranks.columns):
         return []
     moe = ranks[ranks["phase"] != "alltoall"]
-    keys = [k for k in _RANK_CASE_KEYS if k in moe.columns]
     if moe.empty:
         return []
     plots = []
-    grouped = moe.groupby(keys, sort=False, dropna=False) if keys else [((), moe)]
-    for key, case in list(grouped)[:_MAX_RANK_PLOTS]:
-        values = dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True))
-        title = _rank_case_title(values)
+    # One plot per MoE layer (run.case.Case.layer); its bytes are the same in every repeat: the first's.
+    layers = [
+        (layer, rows) for layer, rows in group_by_case(moe, repeat=True, layer=True) if layer.repeat == 0
+    ]
+    for layer, case in layers[:_MAX_RANK_PLOTS]:
+        title = layer.label
         phases = list(dict.fromkeys(case["phase"]))
         figure = Figure(figsize=(4.5 * len(phases) + 1, 3.5), layout="constrained")
         for index, phase in enumerate(phases, start=1):
