@@ -20,7 +20,7 @@ SUITE_TOKENS = 512
 SUITE_MIN_BYTES = 1 << 10
 SUITE_MAX_BYTES = 16 << 20
 SUITE_STEP_FACTOR = 2.0
-# The MoE cases' windows: their skew cost (a ratio of two times) swings between single runs on a busy host.
+# The MoE cases' repeats: their skew cost (a ratio of two times) swings between single runs on a busy host.
 SUITE_MOE_REPEAT = 3
 RACK_TOKENS = 4096
 # --quick: a smoke test of the whole pipeline in seconds.
@@ -298,7 +298,7 @@ def suite(
     \b
     1. balanced all-to-all sweep, 1 KiB .. 16 MiB each rank sends, x2 per step (nccl-tests -b 1K -e 16M -f 2);
     2. deepseek-v3 dispatch + combine (FP8 dispatch, BF16 combine, token mode) at skews
-       uniform, zipf:1.2 and hot:8:0.3, 512 tokens per rank, 3 windows each;
+       uniform, zipf:1.2 and hot:8:0.3, 512 tokens per rank, 3 repeats each;
     3. the pairwise link test: every ordered pair of ranks, one way and both ways (--no-pairwise skips it).
     Sized for 4 gloo ranks on 2 CPU cores to take a few minutes; on GPUs raise --tokens (e.g. 4096) and
     --max-bytes (e.g. 1G). Exit code: 0 PASS or WARN, 1 FAIL, 2 could not run, 3 wrong data, 4 a rank died

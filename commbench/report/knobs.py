@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import pandas as pd
 
-from commbench.plain import knob_setting, parse_knobs
+from commbench.plain import knob_setting, knobs_text, parse_knobs
 
-__all__ = ["KNOB_SETTING_COLUMN", "knob_setting", "parse_knobs", "varying_knobs", "with_knob_setting"]
+__all__ = [
+    "KNOB_SETTING_COLUMN",
+    "knob_setting",
+    "knobs_text",
+    "parse_knobs",
+    "varying_knobs",
+    "with_knob_setting",
+]
 
 KNOB_SETTING_COLUMN = "knob_setting"
 
@@ -30,7 +37,7 @@ def varying_knobs(frame: pd.DataFrame) -> pd.Series | None:
     varying = [key for key in keys if len({setting.get(key) for setting in settings}) > 1]
     if not varying:
         return None
-    cells = [" ".join(f"{key}={setting[key]}" for key in varying if key in setting) for setting in settings]
+    cells = [knobs_text({key: setting[key] for key in varying if key in setting}) for setting in settings]
     return pd.Series(cells, index=frame.index, dtype=object)
 
 

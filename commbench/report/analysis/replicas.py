@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from commbench.plain import is_missing, knob_setting
+from commbench.plain import is_missing, knob_setting, knobs_text
 from commbench.report.pages.tables import fmt_int, format_table
 from commbench.run.case import group_by_case
 from commbench.traffic.pattern import Pattern, build_pattern
@@ -54,7 +54,7 @@ def _replicas(knobs: Any) -> int:
 
 def _other_knobs(knobs: Any) -> str:
     setting = knob_setting(None if is_missing(knobs) else knobs)
-    return " ".join(f"{key}={value}" for key, value in setting.items() if key != REPLICAS_KNOB)
+    return knobs_text({key: value for key, value in setting.items() if key != REPLICAS_KNOB})
 
 
 def _cell(value: float, digits: int = 1) -> str:

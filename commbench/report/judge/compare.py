@@ -390,7 +390,7 @@ def comparison_markdown(comparison: Mapping[str, Any]) -> str:
     if "unknown" in bases:
         lines.append(
             "- unknown: one measurement per run and no spread of timed iterations in the rows (window timing "
-            "gives one time per window): the run-to-run spread is unknown; repeat the runs to know it."
+            "gives one time per measurement): the run-to-run spread is unknown; repeat the runs to know it."
         )
     for name, side in (("A", "only_in_a"), ("B", "only_in_b")):
         if comparison[side]:
