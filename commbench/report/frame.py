@@ -147,6 +147,7 @@ TEXT_COLUMNS = (
     "skew",
     "send_mode",
     "dispatch_dtype",
+    "model_digest",  # hex digits: "123456789012" or "12e345678901" must not read back as a number
     "layout_source",
     "nvlink_bottleneck_dir",
     "scaleout_bottleneck_dir",

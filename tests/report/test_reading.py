@@ -240,3 +240,18 @@ def test_a_folder_with_the_earlier_column_names_reads_and_renders(tmp_path: Path
     assert result.exit_code == 0, result.output
     summary = (out / "summary.md").read_text()
     assert "Range over repeats" in summary and "uniform ref p50(us)" in summary
+
+
+def test_a_model_digest_of_digits_reads_back_as_text(tmp_path: Path) -> None:
+    from commbench.report import read_report
+    from commbench.run.case import Case
+
+    out = tmp_path / "run"
+    rows = [
+        {**row, "model_digest": digest}
+        for row, digest in zip(skewed_rows(), ("123456789012", "12e345678901"), strict=True)
+    ]
+    ReportWriter(out, {"args": {}, "env": {}}, HGX).add(rows)
+    _, results, _ = read_report(out)
+    assert results["model_digest"].tolist() == ["123456789012", "12e345678901"]
+    assert [Case.from_row(row) for row in results.to_dict("records")] == [Case.from_row(row) for row in rows]
