@@ -14,8 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from commbench.plain import is_missing, knobs_text
-
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -105,43 +103,31 @@ def rank_names(layout: Layout) -> dict[int, str]:
     return names
 
 
-def _case_label(record: dict[str, Any]) -> str:
-    parts = [str(record.get("pattern") or "")]
-    size = record.get("size_bytes")
-    if record.get("phase") == "alltoall" and not is_missing(size):
-        parts.append(f"{int(size)} B")
-    else:
-        parts += [str(record.get("skew") or ""), str(record.get("phase") or "")]
-    knobs = record.get("knobs")
-    if isinstance(knobs, dict) and knobs:
-        parts.append(f"[{knobs_text(knobs)}]")
-    window = record.get("window")
-    if not is_missing(window) and int(window) > 0:  # suite --repeat: each window is judged on its own
-        parts.append(f"window {int(window)}")
-    return " ".join(part for part in parts if part)
-
-
 def arrival_spreads(rank_rows: Sequence[dict[str, Any]], limits: Limits) -> list[CaseSpread]:
-    """The outlier rule over each case's per-rank p50 arrival (us)."""
+    """The outlier rule over each measured case's per-rank p50 arrival (us): one per ``Case`` and repeat."""
     import pandas as pd
 
-    from commbench.report.judge.outliers import spread_by_case
+    from commbench.report.judge.outliers import outliers_by_case
 
     if not rank_rows:
         return []
-    frame = pd.DataFrame([{**row, "case": _case_label(row)} for row in rank_rows])
-    return spread_by_case(frame, ARRIVAL_COLUMN, limits.spread, metric="arrival", case_columns=("case",))
+    return outliers_by_case(pd.DataFrame(list(rank_rows)), ARRIVAL_COLUMN, limits.spread, metric="arrival")
 
 
-def _rerun_jobs(jobs: Sequence[Job], rank_rows: Sequence[dict[str, Any]], cases: set[str]) -> list[Job]:
-    """The jobs that measure ``cases`` again: a balanced job cut to the flagged sizes, an MoE job whole."""
+def _rerun_jobs(
+    jobs: Sequence[Job], rank_rows: Sequence[dict[str, Any]], cases: set[tuple[Any, ...]]
+) -> list[Job]:
+    """The jobs that measure ``cases`` (``Case.repeat_key``s) again: a balanced job cut to the flagged
+    sizes, an MoE job whole."""
+    from commbench.run.case import Case
+
     wanted: dict[int, list[int]] = {}
     for row in rank_rows:
-        if _case_label(row) in cases:
+        case = Case.from_row(row)
+        if case.repeat_key in cases:
             sizes = wanted.setdefault(int(row["job_index"]), [])
-            size = row.get("size_bytes")
-            if row.get("phase") == "alltoall" and not is_missing(size) and int(size) not in sizes:
-                sizes.append(int(size))
+            if case.phase == "alltoall" and case.size_bytes is not None and case.size_bytes not in sizes:
+                sizes.append(case.size_bytes)
     reruns = []
     for index, sizes in wanted.items():
         job = jobs[index]
@@ -158,26 +144,26 @@ def confirm_slow_ranks(
     from commbench.report.judge.outliers import confirm, needs_rerun
     from commbench.run.harness import run_jobs
 
-    plan: tuple[list[str], list[Job], int] | None = None
+    plan: tuple[list[tuple[Any, ...]], list[Job], int] | None = None
     firsts: list[CaseSpread] = []
     limits = acceptance.limits if comm.rank == 0 else None  # only rank 0 judges
     if limits is not None:
         firsts = arrival_spreads(rank_rows, limits)
-        flagged = {spread.case for spread in needs_rerun(firsts, limits.spread)}
-        jobs_again = _rerun_jobs(jobs, rank_rows, flagged) if flagged else []
-        plan = (sorted(flagged), jobs_again, limits.spread.confirm_reruns if jobs_again else 0)
+        flagged = list(dict.fromkeys(spread.key for spread in needs_rerun(firsts, limits.spread)))
+        jobs_again = _rerun_jobs(jobs, rank_rows, set(flagged)) if flagged else []
+        plan = (flagged, jobs_again, limits.spread.confirm_reruns if jobs_again else 0)
     flagged_cases, jobs_again, reruns = comm.all_gather_object(plan)[0]
-    rerun_spreads: dict[str, list[CaseSpread]] = {case: [] for case in flagged_cases}
+    rerun_spreads: dict[tuple[Any, ...], list[CaseSpread]] = {case: [] for case in flagged_cases}
     rerun_opts = replace(opts, imbalance_cost=False, profile=False)  # only the flagged phases themselves
     for _ in range(reruns):
         _, again = run_jobs(comm, jobs_again, rerun_opts, backend_class, None, layout)
         if limits is not None:
             for spread in arrival_spreads(again, limits):
-                if spread.case in rerun_spreads:
-                    rerun_spreads[spread.case].append(spread)
+                if spread.key in rerun_spreads:
+                    rerun_spreads[spread.key].append(spread)
     if limits is None:
         return []
-    return [confirm(first, rerun_spreads.get(first.case, []), limits.spread) for first in firsts]
+    return [confirm(first, rerun_spreads.get(first.key, []), limits.spread) for first in firsts]
 
 
 def make_judge(

@@ -17,10 +17,10 @@ from commbench.errors import UsageError
 @click.option("--out", required=True, metavar="FILE", help="The baseline JSON file to write.")
 @click.option("--force", is_flag=True, help="Replace --out if it exists (refused otherwise).")
 def baseline(run_dirs: tuple[str, ...], out: str, force: bool) -> None:
-    """Make a baseline from one or more known-good report folders: per case (pattern, phase, skew, tokens,
-    send mode, size of the balanced all-to-all, backend, ranks, knobs, check mode) the median, min, max, MAD
-    and robust run-to-run spread (3 scaled MADs, in % of the median) of the time p50, busbw and algbw over
-    every run's windows; not a mean, so one bad run does not skew it.
+    """Make a baseline from one or more known-good report folders: per case (pattern, phase, model, skew,
+    tokens, send mode, size of the balanced all-to-all, backend, ranks, knobs, check mode, timing) the median,
+    min, max, MAD and robust run-to-run spread (3 scaled MADs, in % of the median) of the time p50, busbw and
+    algbw over every run's repeats; not a mean, so one bad run does not skew it.
 
     Each folder is read with checks (CSV and JSON only); a folder that is INCOMPLETE, has #wrong > 0, or is
     not a report is refused with one line (exit 2) and nothing is written. Use 3 or more runs: with one the
@@ -44,7 +44,7 @@ def baseline(run_dirs: tuple[str, ...], out: str, force: bool) -> None:
             [
                 entry["label"],
                 str(entry["runs"]),
-                str(entry["windows"]),
+                str(entry["repeats"]),
                 fmt_time(time["median"]),
                 fmt_time(time["min"]),
                 fmt_time(time["max"]),
@@ -52,7 +52,7 @@ def baseline(run_dirs: tuple[str, ...], out: str, force: bool) -> None:
                 "unknown" if spread is None else f"+-{spread:.1f}%",
             ]
         )
-    headers = ["case", "runs", "windows", "time p50(us)", "min", "max", "busbw(GB/s)", "busbw spread"]
+    headers = ["case", "runs", "repeats", "time p50(us)", "min", "max", "busbw(GB/s)", "busbw spread"]
     click.echo(format_table(headers, rows, "text", text_columns={0}))
     write_baseline(made, path)
     click.echo(f"commbench: baseline of {len(rows)} case(s) from {len(runs)} run(s) written to {path}")

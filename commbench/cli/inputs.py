@@ -142,7 +142,7 @@ def balanced_job(sizes: list[int], config: RunConfig) -> Job:
 def repeated(jobs: list[Job], repeats: int) -> list[Job]:
     """Every job ``repeats`` times, round after round (each repeat of a case apart in time from its others,
     as separate runs would be)."""
-    return [replace(job, window=window) for window in range(repeats) for job in jobs]
+    return [replace(job, repeat=index) for index in range(repeats) for job in jobs]
 
 
 @contextmanager

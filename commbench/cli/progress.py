@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from commbench.plain import knobs_text
+
 if TYPE_CHECKING:
     from commbench.inputs.specs import SystemSpec
 
@@ -35,8 +37,8 @@ class Progress:
         prefix = f"{row.get('backend_name')}_"  # sim and mock report their options as "<name>_<option>"
         keys = (*self.swept_keys, "replicas")  # --replicas: the case with EPLB replicas says so
         values = {key: knobs.get(key, knobs.get(prefix + key)) for key in keys}
-        shown = [f"{key}={value}" for key, value in values.items() if value is not None]
-        return f" [{' '.join(shown)}]" if shown else ""
+        shown = knobs_text({key: value for key, value in values.items() if value is not None})
+        return f" [{shown}]" if shown else ""
 
     def __call__(self, rows: list[dict[str, Any]]) -> None:
         from commbench.report import format_bandwidth, results_frame
@@ -50,9 +52,9 @@ class Progress:
             skew = record.get("skew")
             known = isinstance(skew, str) and skew != ""  # trace calls (--pattern kineto) have none
             case = "alltoall" if phase == "alltoall" else f"{skew} {phase}" if known else str(phase)
-            window = f" window {row['window']}" if row.get("window") else ""
+            repeat = f" repeat {row['repeat']}" if row.get("repeat") else ""
             click.echo(
-                f"[{self.done}/{self.total}] {record.get('pattern')} {case}{window}{self._setting(row)}: "
+                f"[{self.done}/{self.total}] {record.get('pattern')} {case}{repeat}{self._setting(row)}: "
                 f"size {int(record['size_bytes'])} B, {record['time_us_p50']:.1f} us, "
                 f"busbw {format_bandwidth(record['busbw_GBps'])} GB/s, "
                 f"#wrong {fmt_wrong(record.get('wrong'))} ({self._clock()})",

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from commbench.errors import UsageError
-from commbench.plain import is_missing
 from commbench.run.config import RunConfig, config_leaves, config_to_meta
 
 if TYPE_CHECKING:
@@ -53,25 +52,34 @@ def check_same_run(folder: str, saved: dict[str, Any], config: RunConfig, free: 
             )
 
 
-def _knobs_match(job: Job, knobs_text: Any) -> bool:
-    from commbench.report.knobs import parse_knobs
+def _knobs_match(job: Job, knobs: Any) -> bool:
+    from commbench.plain import parse_knobs
 
-    knobs = parse_knobs(knobs_text)
+    setting = parse_knobs(knobs)
     replicas = job.routing.replicas if job.kind == "moe" else 0  # --replicas: with and without are 2 cases
-    if knobs.get("replicas", "0") != str(replicas):
+    if setting.get("replicas", "0") != str(replicas):
         return False
-    return all(knobs.get(key) == str(value) for key, value in (job.backend_options or {}).items())
+    return all(setting.get(key) == str(value) for key, value in (job.backend_options or {}).items())
 
 
 def _same_case(job: Job, row: dict[str, Any]) -> bool:
-    """Whether a result row was measured by ``job``: its pattern, window and knob setting."""
-    same = str(row.get("pattern")) == job.name and _window(row) == job.window
-    return same and _knobs_match(job, row.get("knobs"))
+    """Whether a result row was measured by ``job``: its ``Case`` has the job's pattern, repeat and knob
+    setting, and for an MoE job its skew, tokens per rank, send mode and model (digest, where the row has
+    one)."""
+    from commbench.run.case import Case, model_digest
 
-
-def _window(row: dict[str, Any]) -> int:
-    value = row.get("window")
-    return 0 if is_missing(value) else int(value)
+    case = Case.from_row(row)
+    if case.pattern != job.name or case.repeat != job.repeat or not _knobs_match(job, case.knobs):
+        return False
+    if job.kind != "moe":
+        return True
+    routing = job.routing
+    return (
+        case.skew == routing.skew.text
+        and case.tokens_per_rank in (None, routing.tokens_per_rank)
+        and case.send_mode in (None, job.send_mode)
+        and case.model_digest in (None, model_digest(routing.model))
+    )
 
 
 def remaining_jobs(jobs: list[Job], results: pd.DataFrame) -> tuple[list[Job], int]:

@@ -134,7 +134,7 @@ def run_suite(config: RunConfig) -> None:
     jobs = [
         job
         for job in repeated(cases, rounds)
-        if job.window < (moe_repeat if job.kind == "moe" else repeat or 1)
+        if job.repeat < (moe_repeat if job.kind == "moe" else repeat or 1)
     ]
     check_jobs(jobs, config)
     plan = {

@@ -115,7 +115,7 @@ def _run_cases(
     comm: Any, plan: LaunchPlan, backend_class: type, layout: Layout, sink: Any, progress: Progress | None,
     profiler: Any = None,
 ) -> tuple[list[Any], list[dict[str, Any]]]:  # fmt: skip
-    """Collective: the plan's jobs once, or under --soak round after round (window 0, 1, ...) until the
+    """Collective: the plan's jobs once, or under --soak round after round (repeat 0, 1, ...) until the
     soak's time is up, rank 0 deciding for all (their clocks differ); every row of a soak gets ``soak_s``,
     the seconds since the soak started. Returns (the jobs as run, one per round and case, in order; rank 0's
     rank rows, whose ``job_index`` points into them)."""
@@ -144,7 +144,7 @@ def _run_rounds(
     ran: list[Any] = []
     rank_rows: list[dict[str, Any]] = []
     while True:
-        jobs = [replace(job, window=len(ran) // max(len(plan.jobs), 1)) for job in plan.jobs]
+        jobs = [replace(job, repeat=len(ran) // max(len(plan.jobs), 1)) for job in plan.jobs]
         chosen_sink = soak_sink if sink else None
         _, rows = run_jobs(comm, jobs, plan.options, backend_class, chosen_sink, layout, profiler)
         rank_rows += [{**row, "job_index": int(row["job_index"]) + len(ran)} for row in rows]
@@ -155,7 +155,7 @@ def _run_rounds(
         more = rounds < 2 or elapsed + elapsed / rounds <= plan.soak_s
         if comm.rank == 0 and progress is not None:
             click.echo(
-                f"commbench: soak window {rounds - 1} done, {elapsed:.0f} of {plan.soak_s:.0f} s", err=True
+                f"commbench: soak round {rounds - 1} done, {elapsed:.0f} of {plan.soak_s:.0f} s", err=True
             )
             expected = max(rounds + int(more), int(plan.soak_s / (elapsed / rounds)))
             progress.total = plan.total_steps * expected

@@ -115,7 +115,7 @@ KEYS: dict[str, _Key] = {
     "pairwise.nvlink.busbw_fail_fraction": _fraction(),
     "pairwise.scaleout.busbw_warn_fraction": _fraction(),
     "pairwise.scaleout.busbw_fail_fraction": _fraction(),
-    # --soak: bandwidth drift between the first and the last soak window (each case), in percent.
+    # --soak: bandwidth drift between the first and the last soak round (each case), in percent.
     "soak.drift_warn_pct": _Key(float, 0.0, 100.0, low_open=True, what="a percentage in (0, 100]"),
     "soak.drift_fail_pct": _Key(float, 0.0, 100.0, low_open=True, what="a percentage in (0, 100]"),
     # Health counters (NVLink CRC/replay/recovery, ECC, Xid) before vs after: the increase allowed.

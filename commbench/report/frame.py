@@ -72,12 +72,12 @@ Conventions
 - Per-rank rows (ranks.csv): bytes sent and received per class; *_GBps = those bytes / the phase time (its
   p50, see time), one direction.
 - Imbalance cost: right after an MoE job's phases, the same launch runs dispatch (counts exchange included)
-  and combine (weighted reduction included) again through the same code path on a balanced layout of the
-  same rows: same total rows, row sizes, tokens per rank and send mode, every (src, dst) pair (self
-  included) total / world^2 rows (the remainder one row per pair), so every rank sends and receives the same
-  rows; both are verified. skew_cost = time / balanced time (1 = skew costs nothing); skew_bw_loss_pct =
-  100 x (1 - (total bytes / time) / (balanced bytes / balanced time)). Uniform routing is random, so it shows
-  the cost of statistical imbalance alone.
+  and combine (weighted reduction included) again through the same code path on a uniform layout of the
+  same rows (the uniform_ref_* columns; not the balanced sweep): same total rows, row sizes, tokens per
+  rank and send mode, every (src, dst) pair (self included) total / world^2 rows (the remainder one row per
+  pair), so every rank sends and receives the same rows; both are verified. skew_cost = time / uniform_ref
+  time (1 = skew costs nothing); skew_bw_loss_pct = 100 x (1 - (total bytes / time) / (uniform_ref bytes /
+  uniform_ref time)). Uniform routing is random, so it shows the cost of statistical imbalance alone.
 - Avg bus bandwidth = the mean of busbw (from the mean time) over the balanced all-to-all rows only, as
   nccl-tests' footer (which also averages its in-place rows: commbench runs out-of-place only, in-place
   N/A); MoE phases are never averaged in.
@@ -240,15 +240,15 @@ def _class_columns(
 
 
 def _skew_cost(frame: pd.DataFrame) -> tuple[pd.Series, pd.Series]:
-    """(skew_cost, skew_bw_loss_pct) from the balanced reference the harness timed (rows that have one):
-    time / balanced time, and 100 x (1 - (total bytes / time) / (balanced bytes / balanced time))."""
+    """(skew_cost, skew_bw_loss_pct) from the uniform reference the harness timed (rows that have one):
+    time / uniform_ref time, and 100 x (1 - (total bytes / time) / (uniform_ref bytes / uniform_ref time))."""
     time_us = _numeric(frame, "time_us_p50")
-    balanced_us = _numeric(frame, "balanced_time_us_p50")
-    balanced_bytes = _numeric(frame, "balanced_total_bytes")
-    valid = (time_us > 0) & (balanced_us > 0) & (balanced_bytes > 0)
+    uniform_us = _numeric(frame, "uniform_ref_time_us_p50")
+    uniform_bytes = _numeric(frame, "uniform_ref_total_bytes")
+    valid = (time_us > 0) & (uniform_us > 0) & (uniform_bytes > 0)
     skewed_bw = _numeric(frame, "total_bytes") / time_us
-    balanced_bw = balanced_bytes / balanced_us
-    return (time_us / balanced_us).where(valid), (100.0 * (1.0 - skewed_bw / balanced_bw)).where(valid)
+    uniform_bw = uniform_bytes / uniform_us
+    return (time_us / uniform_us).where(valid), (100.0 * (1.0 - skewed_bw / uniform_bw)).where(valid)
 
 
 def rank_frame(rank_rows: Iterable[dict[str, Any]] | pd.DataFrame) -> pd.DataFrame:

@@ -106,7 +106,7 @@ class RunOptions:
     imbalance_cost: bool | None = option(
         None,
         "After each MoE case, rerun dispatch and combine (same code path, same launch) on a uniform layout "
-        "of the same rows, and add the uniform reference time, skew_cost (= skewed time / uniform time) and "
+        "of the same rows, and add uniform_ref_time_us_p50, skew_cost (= skewed time / uniform time) and "
         "skew_bw_loss_pct to its rows. Default: on in suite, off in run.",
         kind="switch",
         show_default=False,
@@ -253,9 +253,9 @@ class TimingConfig:
     )
     repeat: int | None = option(
         None,
-        "Measurement repeats per case: each case runs N times, round after round, and the report shows its "
-        "spread (min/median/max over repeats). Default: run 1; suite 3 for the MoE cases (their skew cost is "
-        "a ratio of two times) and 1 for the balanced sweep, 1 with --quick.",
+        "Measurements per case: each case runs N times (repeat 0..N-1), round after round, and the report "
+        "shows its range (min/median/max over repeats). Default: run 1; suite 3 for the MoE cases (their "
+        "skew cost is a ratio of two times) and 1 for the balanced sweep, 1 with --quick.",
         kind="int",
         low=1,
         high=MAX_WINDOWS,

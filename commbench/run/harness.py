@@ -35,7 +35,8 @@ backend; the previous one is closed before the next setting's backend is built.
 Imbalance cost (``RunOptions.imbalance_cost``): after an MoE job's two phases the same launch runs both phases
 again through the same runner (``phases.MoeLayer``, same backend calls, same checks) on a balanced layout of
 the same rows (``phases.reference_traffic``); each phase's row gets the reference's bytes and time (the
-balanced_* columns), from which the report derives what the skew alone costs.
+uniform_ref_* columns: the same rows spread uniformly, not the balanced sweep), from which the report
+derives what the skew alone costs.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from commbench.errors import VerificationError
 from commbench.inputs.layout import Layout
 from commbench.plain import knobs_text
 from commbench.run import torch_profiler
+from commbench.run.case import CASE_FIELDS
 from commbench.run.clocks import estimate_offsets
 from commbench.run.config import CHECK_MODES, RunOptions
 from commbench.run.interface import Backend
@@ -82,16 +84,7 @@ Sink = Callable[[list[dict], list[dict]], None]
 Emit = Callable[..., None]  # (row, rank rows, the Measured it came from)
 Profiler = Callable[[PhaseProfile], None]
 # The results-row keys that name a profiled phase in profile.csv, arrivals.csv and trace.json.
-PROFILE_CASE_KEYS = (
-    "pattern",
-    "skew",
-    "phase",
-    "size_bytes",
-    "window",
-    "knobs",
-    "tokens_per_rank",
-    "send_mode",
-)
+PROFILE_CASE_KEYS = CASE_FIELDS
 
 
 @dataclass(frozen=True)
@@ -449,7 +442,7 @@ def _imbalance_reference(
     comm: Any, backend: Backend, job: MoeJob, opts: RunOptions, pattern: Pattern, plans: list[RankPlan]
 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Both phases again on the balanced layout of the job's rows, checked like the job's own (the corrupt
-    hook aside): ({phase: balanced_* columns}, failures)."""
+    hook aside): ({phase: uniform_ref_* columns}, failures)."""
     total_rows = int(pattern.dispatch_rows.sum())
     if total_rows == 0:  # nothing to balance (fully masked patterns)
         return {"dispatch": dict(NO_REFERENCE), "combine": dict(NO_REFERENCE)}, []
@@ -457,7 +450,7 @@ def _imbalance_reference(
     columns, failures = {}, []
     reference_opts = replace(opts, corrupt=None)
     for phase, measured in _moe_phases(
-        comm, backend, job, balanced, reference_opts, " imbalance-cost balanced reference"
+        comm, backend, job, balanced, reference_opts, " imbalance-cost uniform reference"
     ):
         columns[phase.name] = reference_columns(matrices[phase.name], measured.seconds)
         failures += _failures(phase, measured, job)

@@ -45,7 +45,7 @@ class MoeJob:
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
     timing: str = "iteration"  # TIMINGS: per-iteration checks and percentiles
-    window: int = 0  # which measurement window of its case (suite --repeat): 0, 1, ...
+    repeat: int = 0  # which measurement of its case (suite --repeat, soak rounds): 0, 1, ...
 
     def check(self, world_size: int) -> None:
         """UsageError unless the job can run on ``world_size`` ranks."""
@@ -78,7 +78,7 @@ class BalancedJob:
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
     timing: str = "window"  # TIMINGS: nccl-tests' default
-    window: int = 0  # which measurement window of its case (suite --repeat): 0, 1, ...
+    repeat: int = 0  # which measurement of its case (suite --repeat, soak rounds): 0, 1, ...
 
     def check(self, world_size: int) -> None:
         """UsageError unless every size can run on ``world_size`` ranks."""
@@ -121,7 +121,7 @@ class MatrixJob:
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
     timing: str = "window"  # TIMINGS: as the balanced sweep (nccl-tests' alltoallv_perf)
-    window: int = 0  # which measurement window of its case (suite --repeat): 0, 1, ...
+    repeat: int = 0  # which measurement of its case (suite --repeat, soak rounds): 0, 1, ...
 
     def check(self, world_size: int) -> None:
         """UsageError unless every call is a [world][world] matrix of whole non-negative bytes."""

@@ -122,7 +122,7 @@ class MoeLayer:
         self.plans = list(plans)
         self.hidden = hidden
         self.send_mode = send_mode
-        self.label = label  # appended to the phase name, e.g. " imbalance-cost balanced reference"
+        self.label = label  # appended to the phase name, e.g. " imbalance-cost uniform reference"
         self.plan, self.tokens = _set_up(comm, backend, plans)
         self.recv_counts: torch.Tensor | None = None
         self.received: torch.Tensor | None = None

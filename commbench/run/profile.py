@@ -37,7 +37,7 @@ class RankProfile:
 class PhaseProfile:
     """Every rank's ``RankProfile`` of one phase (gathered on rank 0) and what identifies the phase."""
 
-    case: dict[str, Any]  # pattern, skew, phase, size_bytes, window, knobs: the results row's keys
+    case: dict[str, Any]  # the results row's case columns (run.case.CASE_FIELDS)
     ranks: list[RankProfile]
     offsets: ClockOffsets
     bytes_sent: list[int] = field(default_factory=list)  # per rank: its bytes of the phase (trace arguments)

@@ -21,18 +21,32 @@ from typing import Any
 import numpy as np
 
 from commbench.inputs.layout import Layout
+from commbench.run.case import CASE_FIELDS, model_digest
 from commbench.run.interface import Backend
 from commbench.run.jobs import Job, MoeJob
 from commbench.traffic.links import link_class_byte_columns, per_rank_link_bytes
 
-# The job-case columns of a result row (None for a balanced all-to-all); rank rows repeat RANK_CASE_KEYS.
-CASE_KEYS = ("tokens_per_rank", "topk", "hidden", "skew", "send_mode", "dispatch_dtype", "seed")
-RANK_CASE_KEYS = ("skew", "send_mode", "tokens_per_rank")
-# Without a balanced reference (nothing routed): the imbalance-cost columns of an MoE phase row.
+# The job-case columns of a result row (None for a balanced all-to-all); rank rows repeat every case field
+# (``run.case.CASE_FIELDS``) so that a rank row and its result row are the same ``Case``.
+CASE_KEYS = (
+    "tokens_per_rank",
+    "topk",
+    "hidden",
+    "skew",
+    "send_mode",
+    "dispatch_dtype",
+    "seed",
+    "model_digest",
+)
+# What a rank row repeats of its result row, beside its own pattern, phase, backend, size and repeat.
+RANK_CASE_FIELDS = tuple(
+    key for key in CASE_FIELDS if key not in ("pattern", "phase", "backend", "size_bytes", "repeat", "knobs")
+)
+# Without a uniform reference (nothing routed): the imbalance-cost columns of an MoE phase row.
 NO_REFERENCE = {
-    "balanced_size_bytes": None,
-    "balanced_total_bytes": None,
-    "balanced_time_us_p50": float("nan"),
+    "uniform_ref_size_bytes": None,
+    "uniform_ref_total_bytes": None,
+    "uniform_ref_time_us_p50": float("nan"),
 }
 
 
@@ -83,11 +97,12 @@ def imbalance_columns(expert_load: np.ndarray | None) -> dict[str, float | None]
 
 
 def reference_columns(matrix: np.ndarray, seconds: np.ndarray) -> dict[str, Any]:
-    """The balanced_* columns an MoE phase row gets from its imbalance-cost reference (bytes, time)."""
+    """The uniform_ref_* columns an MoE phase row gets from its imbalance-cost reference: the same rows
+    spread uniformly over the ranks (bytes, time). Not the balanced (nccl-tests) sweep."""
     return {
-        "balanced_size_bytes": byte_columns(matrix)["size_bytes"],
-        "balanced_total_bytes": int(matrix.sum()),
-        "balanced_time_us_p50": time_columns(seconds)["time_us_p50"],
+        "uniform_ref_size_bytes": byte_columns(matrix)["size_bytes"],
+        "uniform_ref_total_bytes": int(matrix.sum()),
+        "uniform_ref_time_us_p50": time_columns(seconds)["time_us_p50"],
     }
 
 
@@ -134,6 +149,7 @@ class RowMaker:
             job.send_mode,
             model.dispatch_dtype,
             cfg.seed,
+            model_digest(model),
         )
         return dict(zip(CASE_KEYS, values, strict=True))
 
@@ -167,7 +183,7 @@ class RowMaker:
             "warmup": self.job.warmup,
             "iters": self.job.iters,
             "timing": self.job.timing,
-            "window": self.job.window,
+            "repeat": self.job.repeat,
             "row_bytes": int(row_bytes),
             **byte_columns(matrix),
             "num_domains": layout.num_domains,
@@ -195,9 +211,9 @@ class RowMaker:
                 "pattern": self.job.name,
                 "phase": phase,
                 "backend": backend.label,
-                **{key: case[key] for key in RANK_CASE_KEYS},
+                **{key: row[key] for key in RANK_CASE_FIELDS},
                 "size_bytes": None if isinstance(self.job, MoeJob) else row["size_bytes"],
-                "window": self.job.window,
+                "repeat": self.job.repeat,
                 "rank": rank,
                 "domain": int(layout.domain_of_rank[rank]),
                 "host": int(layout.host_of_rank[rank]),

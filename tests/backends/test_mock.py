@@ -126,12 +126,12 @@ def test_mock_imbalance_cost_matches_the_time_model():
         # The reference: the same rows, each pair total / 16^2 rows (+1 for the remainder, on diagonals).
         pairs = balanced_pair_rows(16, row["total_bytes"] // row["row_bytes"]) * row["row_bytes"]
         link = pairs - np.diag(np.diag(pairs))
-        assert row["balanced_total_bytes"] == row["total_bytes"]
-        assert row["balanced_size_bytes"] == max(pairs.sum(axis=0).max(), pairs.sum(axis=1).max())
+        assert row["uniform_ref_total_bytes"] == row["total_bytes"]
+        assert row["uniform_ref_size_bytes"] == max(pairs.sum(axis=0).max(), pairs.sum(axis=1).max())
         # The mock's balanced time: latency + the busiest rank's link bytes (self excluded) / 100 GB/s.
-        assert row["balanced_time_us_p50"] == pytest.approx(modelled_us({
+        assert row["uniform_ref_time_us_p50"] == pytest.approx(modelled_us({
             "max_send_link_bytes": link.sum(axis=1).max(), "max_recv_link_bytes": link.sum(axis=0).max()
         }))  # fmt: skip
         # Two hot experts: their ranks receive far more than the mean, so the skewed phase takes longer.
-        assert row["time_us_p50"] > row["balanced_time_us_p50"]
+        assert row["time_us_p50"] > row["uniform_ref_time_us_p50"]
     assert {r["domain"] for r in rank_rows} == {0, 1, 2, 3}

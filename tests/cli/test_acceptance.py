@@ -217,3 +217,30 @@ def test_resume_with_other_options_is_refused(tmp_path: Path) -> None:
         result.returncode == 2 and "iters" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     )
     assert (out / "results.csv").read_bytes() == before
+
+
+def test_a_flagged_case_is_rerun_by_its_case_and_repeat() -> None:
+    """The reruns are found by ``Case.repeat_key``: only the flagged size of the flagged repeat, its job cut
+    to that size; a knob setting or a repeat is part of the case."""
+    from commbench.cli.acceptance import _rerun_jobs, arrival_spreads
+    from commbench.inputs.limits import load_limits
+    from commbench.run.jobs import BalancedJob
+
+    jobs = [BalancedJob("balanced", [1024, 4096]), BalancedJob("balanced", [1024, 4096], repeat=1)]
+    rank_rows = [
+        {
+            "pattern": "balanced", "phase": "alltoall", "size_bytes": size, "repeat": index, "rank": rank,
+            "knobs": {"algo": "ring"}, "job_index": index,
+            "arrival_us_p50": 10.0 + rank % 2 + (5000.0 if (index, size, rank) == (1, 4096, 3) else 0.0),
+        }
+        for index in (0, 1) for size in (1024, 4096) for rank in range(8)
+    ]  # fmt: skip
+    spreads = arrival_spreads(rank_rows, load_limits("cpu"))
+    assert [spread.case for spread in spreads] == [
+        "balanced 1 KiB [algo=ring]", "balanced 4 KiB [algo=ring]",
+        "balanced 1 KiB [algo=ring] repeat 1", "balanced 4 KiB [algo=ring] repeat 1",
+    ]  # fmt: skip
+    flagged = {spread.key for spread in spreads if spread.flags}
+    assert [spread.case for spread in spreads if spread.flags] == ["balanced 4 KiB [algo=ring] repeat 1"]
+    reruns = _rerun_jobs(jobs, rank_rows, flagged)
+    assert [(job.repeat, job.sizes) for job in reruns] == [(1, [4096])]

@@ -89,7 +89,7 @@ def test_baseline_and_compare_round_trip_on_real_runs(real_runs: list[Path], tmp
     assert [entry["case"]["size_bytes"] for entry in made["cases"]] == SIZES
     files = [pd.read_csv(run / "results.csv") for run in real_runs]
     for index, entry in enumerate(made["cases"]):
-        assert entry["runs"] == 2 and entry["windows"] == 2
+        assert entry["runs"] == 2 and entry["repeats"] == 2
         for figure, column in (("time_us", "time_us_p50"), ("busbw_GBps", "busbw_GBps")):
             values = [float(rows[column].iloc[index]) for rows in files]  # as the runs wrote them
             assert entry["figures"][figure]["median"] == pytest.approx(float(np.median(values)))
@@ -143,7 +143,7 @@ def test_compare_lists_cases_only_in_one_run(real_runs: list[Path], tmp_path: Pa
     fewer = slowed_copy(real_runs[1], tmp_path / "fewer", 1.0, drop_last_row=True)
     result = invoke("compare", real_runs[0], fewer)
     assert result.exit_code == 0, result.output
-    assert "Only in A (1):\n- balanced alltoall 4096 B" in result.stdout
+    assert "Only in A (1):\n- balanced 4 KiB" in result.stdout
     compared = json.loads(invoke("compare", real_runs[0], fewer, "--json").stdout)
     assert len(compared["cases"]) == 2 and compared["only_in_a"][0]["size_bytes"] == 4096
 

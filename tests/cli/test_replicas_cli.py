@@ -19,6 +19,7 @@ from commbench.cli import cli
 from commbench.cli.inputs import build_routing_config, moe_job, replica_cases
 from commbench.cli.resume import remaining_jobs
 from commbench.report.analysis.replicas import replicas_table
+from commbench.run.case import model_digest
 from commbench.run.config import MoeConfig, RunConfig, meta_values
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -122,7 +123,7 @@ def test_resume_tells_the_case_with_replicas_from_the_one_without() -> None:
     assert [job.routing.replicas for job in jobs] == [0, 4]
     finished = pd.DataFrame(
         [
-            {"pattern": "deepseek-v3", "window": 0, "skew": "hot:8:0.3", "phase": phase, "knobs": ""}
+            {"pattern": "deepseek-v3", "repeat": 0, "skew": "hot:8:0.3", "phase": phase, "knobs": ""}
             for phase in ("dispatch", "combine")
         ]
     )
@@ -130,3 +131,11 @@ def test_resume_tells_the_case_with_replicas_from_the_one_without() -> None:
     assert [job.routing.replicas for job in left] == [4]
     left, _ = remaining_jobs(jobs, finished.assign(knobs="replicas=4"))
     assert [job.routing.replicas for job in left] == [0]
+    # The same Case decides: another repeat, tokens per rank or model (digest) is not what finished.
+    assert len(remaining_jobs(jobs, finished.assign(repeat=1))[0]) == 2
+    assert len(remaining_jobs(jobs, finished.assign(tokens_per_rank=128))[0]) == 2
+    assert len(remaining_jobs(jobs, finished.assign(model_digest="0123456789ab"))[0]) == 2
+    digest = model_digest(jobs[0].routing.model)
+    assert [
+        job.routing.replicas for job in remaining_jobs(jobs, finished.assign(model_digest=digest))[0]
+    ] == [4]

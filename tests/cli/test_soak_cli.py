@@ -16,7 +16,7 @@ SOAK = ["suite", "--quick", "--world-size", "4", "--backend", "gloo", "--no-pair
 
 def test_a_short_soak_repeats_the_cases_and_judges_their_drift(tmp_path: Path) -> None:
     out = tmp_path / "soak"
-    # gloo windows of a few seconds on 2 shared cores swing by 2x: the drift rule itself is tested on fixed
+    # gloo rounds of a few seconds on 2 shared cores swing by 2x: the drift rule itself is tested on fixed
     # figures (tests/report/analysis/test_soak.py); here its limits are opened so that only the run's shape
     # is checked.
     limits = ["--limit", "soak.drift_warn_pct=99", "--limit", "soak.drift_fail_pct=100"]
@@ -24,15 +24,15 @@ def test_a_short_soak_repeats_the_cases_and_judges_their_drift(tmp_path: Path) -
     assert result.returncode == 0, result.stderr[-3000:]
     assert last_line(result).startswith("commbench verdict: PASS")
     rows = list(csv.DictReader((out / "results.csv").open()))
-    windows = {int(row["window"]) for row in rows}
-    assert len(windows) >= 2 and len(rows) == 3 * len(windows)  # one balanced size + dispatch + combine
+    rounds = {int(row["repeat"]) for row in rows}  # each soak round is a repeat of its case
+    assert len(rounds) >= 2 and len(rows) == 3 * len(rounds)  # one balanced size + dispatch + combine
     assert {row["size_bytes"] for row in rows if row["phase"] == "alltoall"} == {str(1 << 20)}
     times = [float(row["soak_s"]) for row in rows]
     assert times == sorted(times) and times[0] > 0
     verdict = read_verdict_json(out / "verdict.json")
     drift = [e for e in verdict.elements if e.group == "soak"]
     assert len(drift) == 3 and all(e.name.endswith("drift") and e.status == "PASS" for e in drift)
-    assert "Soak: bandwidth per window over time" in (out / "report.html").read_text()
+    assert "Soak: bandwidth per round over time" in (out / "report.html").read_text()
 
 
 @pytest.mark.parametrize(

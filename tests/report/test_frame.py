@@ -153,10 +153,10 @@ def test_a_class_that_carries_nothing_has_no_percentage() -> None:
 
 
 def test_skew_cost_against_the_balanced_reference() -> None:
-    reference = {"balanced_size_bytes": 28_000_000, "balanced_total_bytes": 112_000_000}
+    reference = {"uniform_ref_size_bytes": 28_000_000, "uniform_ref_total_bytes": 112_000_000}
     rows = [
-        {**link_class_row(1000.0), **reference, "balanced_time_us_p50": 500.0},
-        {**link_class_row(1000.0), **reference, "balanced_time_us_p50": float("nan")},
+        {**link_class_row(1000.0), **reference, "uniform_ref_time_us_p50": 500.0},
+        {**link_class_row(1000.0), **reference, "uniform_ref_time_us_p50": float("nan")},
     ]
     frame = results_frame(rows, GB300)
     assert frame.iloc[0]["skew_cost"] == pytest.approx(2.0)

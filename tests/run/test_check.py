@@ -162,7 +162,7 @@ def test_moe_faults_are_caught_in_both_phases_and_in_the_imbalance_reference(out
     assert "combine #wrong=" in message and "dispatch" not in message and "in 1 of 5" in message
     assert [(phase, wrong > 0) for phase, wrong, _ in rows] == [("dispatch", False), ("combine", True)]
     message, rows = results["reference", "skip"]
-    assert "combine imbalance-cost balanced reference #wrong=" in message and "in 1 of 5" in message
+    assert "combine imbalance-cost uniform reference #wrong=" in message and "in 1 of 5" in message
     assert [wrong for _, wrong, _ in rows] == [0, 0]  # the job's own phases were right
 
 

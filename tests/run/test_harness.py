@@ -35,9 +35,9 @@ RESULT_KEYS = {
     "expert_max_mean", "maxvio", "expert_cv", "num_domains", "ranks_per_domain", "layout_source",
     "nvlink_bytes", "scaleout_bytes", "nvlink_bottleneck_rank", "nvlink_bottleneck_dir",
     "nvlink_bottleneck_bytes", "scaleout_bottleneck_rank", "scaleout_bottleneck_dir",
-    "scaleout_bottleneck_bytes", "knobs", "check", "timing", "window",
+    "scaleout_bottleneck_bytes", "knobs", "check", "timing", "repeat", "model_digest",
 }  # fmt: skip
-IMBALANCE_KEYS = {"balanced_size_bytes", "balanced_total_bytes", "balanced_time_us_p50"}
+IMBALANCE_KEYS = {"uniform_ref_size_bytes", "uniform_ref_total_bytes", "uniform_ref_time_us_p50"}
 BYTE_KEYS = (
     "size_bytes", "total_bytes", "self_bytes", "link_bytes", "max_send_bytes", "max_recv_bytes",
     "max_send_link_bytes", "max_recv_link_bytes",
@@ -336,10 +336,11 @@ def check_link_classes(rows, rank_rows, job):
         # world^2 rows, remainder one row per pair), timed right after and verified (wrong == 0 above).
         world = 4
         pair_bytes = balanced_pair_rows(world, int(m.sum()) // row["row_bytes"]) * row["row_bytes"]
-        assert row["balanced_total_bytes"] == m.sum() == pair_bytes.sum()
-        assert row["balanced_size_bytes"] == max(pair_bytes.sum(axis=0).max(), pair_bytes.sum(axis=1).max())
-        assert row["balanced_size_bytes"] <= row["size_bytes"]  # skew never makes the busiest rank lighter
-        assert row["balanced_time_us_p50"] > 0
+        assert row["uniform_ref_total_bytes"] == m.sum() == pair_bytes.sum()
+        busiest = max(pair_bytes.sum(axis=0).max(), pair_bytes.sum(axis=1).max())
+        assert row["uniform_ref_size_bytes"] == busiest
+        assert row["uniform_ref_size_bytes"] <= row["size_bytes"]  # skew never makes the busiest rank lighter
+        assert row["uniform_ref_time_us_p50"] > 0
 
 
 def printed_pattern(*args):
@@ -384,8 +385,8 @@ def test_gloo_world4_moves_the_printed_pattern_link_classes_and_imbalance_cost()
             assert [r["recv_bytes"] for r in ranks] == matrix.sum(axis=0).tolist()
         for phase, matrix in zip(("dispatch", "combine"), moved_matrices(moved, setup + 1), strict=True):
             (row,) = [r for r in rows if r["pattern"] == job.name and r["phase"] == phase]
-            assert row["balanced_total_bytes"] == matrix.sum() == row["total_bytes"]
-            assert row["balanced_size_bytes"] == byte_columns(matrix)["size_bytes"]
+            assert row["uniform_ref_total_bytes"] == matrix.sum() == row["total_bytes"]
+            assert row["uniform_ref_size_bytes"] == byte_columns(matrix)["size_bytes"]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")

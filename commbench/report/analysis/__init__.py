@@ -1,1 +1,1 @@
-"""Analyses of a results frame: spread over windows, soak drift, what EPLB replicas buy."""
+"""Analyses of a results frame: the range over repeats, soak drift, what EPLB replicas buy."""

@@ -4,7 +4,8 @@
 with the same case without them (no ``replicas`` knob), from the result rows alone, so a report re-rendered
 from disk shows the same table. Per pair: the busiest rank's dispatch rows received over the mean
 (``max_recv_bytes / (total_bytes / world_size)``: received tokens in token mode, selections in selection
-mode), and each phase's time p50 (the median over the case's windows) without and with, and their ratio.
+mode), and each phase's time p50 (the median over the case's repeats) without and with, and their ratio.
+A pair is one MoE layer (``run.case.Case.layer``) whose knob setting, the replicas knob aside, is the same.
 
 ``describe_replicas`` and ``replicas_json`` are what ``commbench pattern --replicas N`` prints: the placement
 and the rank load (selections received per rank) before and after.
@@ -18,10 +19,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from commbench.plain import is_missing
-from commbench.report.knobs import knob_setting
+from commbench.plain import is_missing, knob_setting, knobs_text
 from commbench.report.pages.render import Section, Text
 from commbench.report.pages.tables import Table, fmt_int, format_table
+from commbench.run.case import group_by_case
 from commbench.traffic.pattern import Pattern, build_pattern
 from commbench.traffic.replicas import Placement
 from commbench.traffic.routing import RoutingConfig, replica_placement
@@ -32,10 +33,19 @@ REPLICAS_NOTE = (
     "(redundant experts placed by a greedy balance of this routing's measured expert load, each expert's "
     "tokens split among its replicas). recv max/mean = dispatch rows received by the busiest rank / the mean "
     "over ranks (tokens in token mode, selections in selection mode; 1 = balanced); time = p50, the median "
-    "over windows; ratio = with / without (below 1: the replicas made the phase faster)."
+    "over repeats; ratio = with / without (below 1: the replicas made the phase faster)."
 )
-# The case a pair shares besides the replicas knob (columns a results frame has).
-_CASE = ("pattern", "skew", "tokens_per_rank", "send_mode", "world_size", "backend")
+# Columns a results frame needs for the table.
+_NEEDED = (
+    "pattern",
+    "skew",
+    "tokens_per_rank",
+    "phase",
+    "knobs",
+    "time_us_p50",
+    "max_recv_bytes",
+    "total_bytes",
+)
 
 
 def _replicas(knobs: Any) -> int:
@@ -45,7 +55,7 @@ def _replicas(knobs: Any) -> int:
 
 def _other_knobs(knobs: Any) -> str:
     setting = knob_setting(None if is_missing(knobs) else knobs)
-    return " ".join(f"{key}={value}" for key, value in setting.items() if key != REPLICAS_KNOB)
+    return knobs_text({key: value for key, value in setting.items() if key != REPLICAS_KNOB})
 
 
 def _cell(value: float, digits: int = 1) -> str:
@@ -53,7 +63,7 @@ def _cell(value: float, digits: int = 1) -> str:
 
 
 def _phase_figures(rows: pd.DataFrame) -> dict[str, float]:
-    """recv max/mean of the dispatch rows, and each phase's p50 time (median over windows)."""
+    """recv max/mean of the dispatch rows, and each phase's p50 time (median over repeats)."""
     figures: dict[str, float] = {}
     for phase in ("dispatch", "combine"):
         mine = rows[rows["phase"] == phase]
@@ -71,29 +81,25 @@ def _phase_figures(rows: pd.DataFrame) -> dict[str, float]:
 def replicas_table(frame: pd.DataFrame) -> Table | None:
     """The "What EPLB replicas buy" table of a results frame; None when no MoE case ran with --replicas
     next to the same case without."""
-    needed = {*_CASE, "phase", "knobs", "time_us_p50", "max_recv_bytes", "total_bytes"}
-    if frame.empty or not needed <= set(frame.columns):
+    if frame.empty or not set(_NEEDED) <= set(frame.columns):
         return None
     moe = frame[frame["phase"].isin(["dispatch", "combine"])]
     if moe.empty:
         return None
-    moe = moe.assign(
-        _replicas=[_replicas(knobs) for knobs in moe["knobs"]],
-        _knobs=[_other_knobs(knobs) for knobs in moe["knobs"]],
-    )
-    keys = [*_CASE, "_knobs"]
-    swept = moe["_knobs"].nunique() > 1
+    # The pair's case: the MoE layer with its knob setting less the replicas knob.
+    moe = moe.assign(_replicas=[_replicas(knobs) for knobs in moe["knobs"]])
+    moe = moe.assign(knobs=[_other_knobs(knobs) for knobs in moe["knobs"]])
+    swept = moe["knobs"].nunique() > 1
     table_rows = []
-    for key, case in moe.groupby(keys, dropna=False, sort=False):
-        values = dict(zip(keys, key, strict=True))
+    for layer, case in group_by_case(moe, layer=True):
         without = case[case["_replicas"] == 0]
         if without.empty:
             continue
         before = _phase_figures(without)
         for replicas, with_rows in case[case["_replicas"] > 0].groupby("_replicas", sort=True):
             after = _phase_figures(with_rows)
-            row = [str(values["pattern"]), str(values["skew"]), fmt_int(values["tokens_per_rank"])]
-            row += [values["_knobs"] or "-"] if swept else []
+            row = [str(layer.pattern), str(layer.skew), fmt_int(layer.tokens_per_rank)]
+            row += [layer.knobs or "-"] if swept else []
             row += [str(replicas), _cell(before["recv"], 3), _cell(after["recv"], 3)]
             for phase in ("dispatch", "combine"):
                 ratio = after[phase] / before[phase] if before[phase] > 0 else float("nan")

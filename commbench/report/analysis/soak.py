@@ -1,10 +1,11 @@
 """A soak run (suite --soak DURATION) judged and drawn: each case's bandwidth drift from its first soak
-windows to its last, and bandwidth over time.
+rounds to its last, and bandwidth over time.
 
-Every soak window runs the same cases (a large balanced all-to-all and the MoE dispatch/combine); a case's
-bandwidth per window is the busbw of ``report.windows`` (balanced: mean time, MoE: p50). Drift = how much
-the last windows lost against the first: 100 x (1 - median of the last windows / median of the first),
-each end the median of up to ``END_WINDOWS`` windows (so one noisy window at either end is not a drift);
+Every soak round runs the same cases (a large balanced all-to-all and the MoE dispatch/combine), each a
+repeat of its case (``run.case.Case``: rounds are its ``repeat``); a case's bandwidth per round is the busbw
+of ``analysis.repeats`` (balanced: mean time, MoE: p50). Drift = how much the last rounds lost against the
+first: 100 x (1 - median of the last rounds / median of the first), each end the median of up to
+``END_ROUNDS`` rounds (so one noisy round at either end is not a drift);
 WARN above ``soak.drift_warn_pct``, FAIL above ``soak.drift_fail_pct``. A gain is never a finding. Wrong
 data and health-counter increases during the soak are judged by their own groups (data, health).
 """
@@ -16,10 +17,11 @@ from typing import Any
 import pandas as pd
 
 from commbench.inputs.limits import Limits
-from commbench.report.analysis.windows import busbw_per_window, case_columns, case_name
+from commbench.report.analysis.repeats import busbw_per_repeat
 from commbench.report.judge.verdict import Element
+from commbench.run.case import REPEAT_COLUMN, group_by_case
 
-END_WINDOWS = 3  # windows at each end whose median is compared (fewer when the soak had few)
+END_ROUNDS = 3  # rounds at each end whose median is compared (fewer when the soak had few)
 SOAK_COLUMN = "soak_s"  # seconds from the soak's start to the row's end (result rows of a soak run)
 _DRIFT_REMEDY = (
     "bandwidth fell during the soak: check `nvidia-smi -q -d PERFORMANCE,TEMPERATURE,POWER` (throttling), "
@@ -33,9 +35,9 @@ def is_soak(frame: pd.DataFrame) -> bool:
 
 
 def drift_pct(values: pd.Series) -> float:
-    """100 x (1 - median of the last windows / median of the first), windows in order."""
+    """100 x (1 - median of the last rounds / median of the first), rounds in order."""
     values = values.dropna()
-    ends = max(1, min(END_WINDOWS, len(values) // 2))
+    ends = max(1, min(END_ROUNDS, len(values) // 2))
     first = float(values.iloc[:ends].median())
     last = float(values.iloc[-ends:].median())
     return 100.0 * (1.0 - last / first) if first > 0 else float("nan")
@@ -47,13 +49,14 @@ def soak_elements(frame: pd.DataFrame, limits: Limits) -> list[Element]:
         return []
     warn, fail = limits.value("soak.drift_warn_pct"), limits.value("soak.drift_fail_pct")
     elements = []
-    ordered = frame.assign(_window=pd.to_numeric(frame["window"], errors="coerce")).sort_values("_window")
-    ordered = ordered.assign(_busbw=busbw_per_window(ordered))
-    for key, group in ordered.groupby(case_columns(ordered), dropna=False, sort=False):
-        name = f"{case_name(ordered, key)} drift"
-        windows = len(group)
-        if windows < 2:
-            elements.append(Element("soak", name, "SKIP", f"{name}: one window only, nothing to compare"))
+    repeat = pd.to_numeric(frame[REPEAT_COLUMN], errors="coerce") if REPEAT_COLUMN in frame else 0
+    ordered = frame.assign(_round=repeat).sort_values("_round", kind="stable")
+    ordered = ordered.assign(_busbw=busbw_per_repeat(ordered))
+    for case, group in group_by_case(ordered):
+        name = f"{case.label} drift"
+        rounds = len(group)
+        if rounds < 2:
+            elements.append(Element("soak", name, "SKIP", f"{name}: one round only, nothing to compare"))
             continue
         drift = drift_pct(group["_busbw"])
         first, last = float(group["_busbw"].iloc[0]), float(group["_busbw"].iloc[-1])
@@ -61,8 +64,8 @@ def soak_elements(frame: pd.DataFrame, limits: Limits) -> list[Element]:
         limit = fail if status == "FAIL" else warn
         change = f"{drift:.1f}% lost" if drift >= 0 else f"{-drift:.1f}% gained"
         message = (
-            f"{name}: {change} over {windows} windows ({float(group[SOAK_COLUMN].max()):.0f} s; "
-            f"busbw {first:.3g} -> {last:.3g} GB/s, ends compared as medians of up to {END_WINDOWS} windows)"
+            f"{name}: {change} over {rounds} rounds ({float(group[SOAK_COLUMN].max()):.0f} s; "
+            f"busbw {first:.3g} -> {last:.3g} GB/s, ends compared as medians of up to {END_ROUNDS} rounds)"
         )
         remedy = _DRIFT_REMEDY if status != "PASS" else ""
         elements.append(Element("soak", name, status, message, round(drift, 2), limit, "%", remedy))
@@ -77,14 +80,12 @@ def soak_figure(frame: pd.DataFrame) -> Any:
 
     figure = Figure(figsize=(10, 4.5))
     axes = figure.add_subplot()
-    ordered = frame.assign(_busbw=busbw_per_window(frame)).sort_values(SOAK_COLUMN)
-    for key, group in ordered.groupby(case_columns(ordered), dropna=False, sort=False):
-        axes.plot(
-            group[SOAK_COLUMN], group["_busbw"], marker="o", markersize=3, label=case_name(ordered, key)
-        )
+    ordered = frame.assign(_busbw=busbw_per_repeat(frame)).sort_values(SOAK_COLUMN, kind="stable")
+    for case, group in group_by_case(ordered):
+        axes.plot(group[SOAK_COLUMN], group["_busbw"], marker="o", markersize=3, label=case.label)
     axes.set_xlabel("time since the soak started (s)")
     axes.set_ylabel("busbw (GB/s)")
-    axes.set_title("Soak: bandwidth per window over time")
+    axes.set_title("Soak: bandwidth per round over time")
     axes.grid(True, alpha=0.3)
     axes.legend(fontsize=7, loc="best")
     return figure

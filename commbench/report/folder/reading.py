@@ -59,6 +59,7 @@ TEXT_COLUMNS = (
     "skew",
     "send_mode",
     "dispatch_dtype",
+    "model_digest",  # hex digits: "123456789012" or "12e345678901" must not read back as a number
     "layout_source",
     "nvlink_bottleneck_dir",
     "scaleout_bottleneck_dir",
@@ -153,10 +154,18 @@ _WHOLE_NAMES = frozenset(
         "rank",
         "domain",
         "host",
-        "window",
+        "repeat",
         "job_index",
     )
 )
+# Columns renamed since earlier folders were written (old name -> new): the repeat index of a case was
+# "window", the imbalance-cost reference "balanced_*". Old folders read back under the new names.
+RENAMED_COLUMNS = {
+    "window": "repeat",
+    "balanced_size_bytes": "uniform_ref_size_bytes",
+    "balanced_total_bytes": "uniform_ref_total_bytes",
+    "balanced_time_us_p50": "uniform_ref_time_us_p50",
+}
 _WHOLE_SUFFIXES = ("_bytes", "_bottleneck_rank")
 _NUMBER_NAMES = frozenset(
     ("expert_max_mean", "maxvio", "expert_cv", "skew_cost", "skew_bw_loss_pct", "pct_spec", "pct_agg_spec")
@@ -254,6 +263,7 @@ def read_rows(path: str | os.PathLike[str], required: Sequence[str] = RESULT_COL
         na_values=[""],
         dtype={column: str for column in TEXT_COLUMNS if column in header},
     )
+    frame = renamed_columns(frame)
     for column in _NON_EMPTY:
         if column in frame.columns and frame[column].isna().any():
             line = lines[int(np.flatnonzero(frame[column].isna().to_numpy())[0])]
@@ -274,6 +284,12 @@ def read_rows(path: str | os.PathLike[str], required: Sequence[str] = RESULT_COL
     return typed_rows(frame)
 
 
+def renamed_columns(frame: pd.DataFrame) -> pd.DataFrame:
+    """``frame`` with the columns of an earlier folder under their current names (``RENAMED_COLUMNS``)."""
+    old = {name: new for name, new in RENAMED_COLUMNS.items() if name in frame.columns}
+    return frame.rename(columns=old) if old and not set(old.values()) & set(frame.columns) else frame
+
+
 def read_table(path: str | os.PathLike[str], required: Sequence[str]) -> pd.DataFrame:
     """A table a run wrote beside results.csv (pairs.csv, health.csv): bounded, UTF-8, whole rows, the
     ``required`` columns present; cells as pandas reads them (numbers where a column holds numbers).
@@ -285,7 +301,7 @@ def read_table(path: str | os.PathLike[str], required: Sequence[str]) -> pd.Data
     if missing:
         raise UsageError(f"{where}: the rows lack column(s) {', '.join(missing)}; {_DAMAGED}")
     try:
-        return pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""])
+        return renamed_columns(pd.read_csv(io.StringIO(text), keep_default_na=False, na_values=[""]))
     except (ValueError, pd.errors.ParserError) as exc:
         raise UsageError(f"{where}: {clip(str(exc))}; {_DAMAGED}") from None
 

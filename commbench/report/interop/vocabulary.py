@@ -19,6 +19,7 @@ import pandas as pd
 from commbench.report.frame import gbps
 from commbench.report.knobs import knob_setting
 from commbench.report.pages.tables import format_table
+from commbench.run.case import CASE_FIELDS
 from commbench.run.describe import LibraryBandwidth
 
 FIGURE_COLUMNS = ("library_figure", "library_GBps")
@@ -31,7 +32,8 @@ VOCABULARY_HEADERS = (
     "time it divides by",
     "from commbench's row",
 )
-_CASE_COLUMNS = ("pattern", "skew", "phase", "backend", "send_mode", "size_bytes", "knobs")
+# A figure's row names its case by the case columns (``run.case.CASE_FIELDS``) the frame has.
+_CASE_COLUMNS = CASE_FIELDS
 
 
 def definitions(backend_name: str) -> tuple[LibraryBandwidth, ...]:

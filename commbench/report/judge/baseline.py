@@ -1,16 +1,15 @@
 """Baselines: per-case median and robust spread over known-good report folders, saved and read back as JSON.
 
-A case is what a figure is compared across runs by (``CASE_COLUMNS``): pattern, phase, skew, tokens per rank,
-send mode, size (balanced all-to-all only: an MoE phase's size follows from its routing), backend, world
-size, knob setting, and the verification mode and timing method where the rows have them (``check`` changes
-what the timed loop does). Each result row is one measurement window of its case; a folder written with
-repeated windows gives several. The figures (``FIGURES``) are the row's time p50 and the busbw / algbw that
-``report.frame.results_frame`` derives from it (the only place commbench computes a bandwidth).
+A case is what a figure is compared across runs by: a ``run.case.Case`` (its identity fields, without the
+repeat index; ``run.case`` says which fields and why). Each result row is one measurement (repeat) of its
+case; a folder written with --repeat gives several. The figures (``FIGURES``) are the row's time p50 and
+the busbw / algbw that ``report.frame.results_frame`` derives from it (the only place commbench computes a
+bandwidth).
 
-Per case and figure the baseline keeps every window's value, their median, min, max, MAD and the robust
+Per case and figure the baseline keeps every repeat's value, their median, min, max, MAD and the robust
 run-to-run spread ``spread_pct`` = 100 x 3 x 1.4826 x MAD / median (three scaled MADs, ~3 standard
 deviations for normal noise; one bad run of three cannot widen it much, unlike a mean or the range); null
-with a single window (spread unknown). Report folders are read with ``report.reading``'s checked reads
+with a single measurement (spread unknown). Report folders are read with ``report.reading``'s checked reads
 (CSV and JSON only, nothing unpickled).
 """
 
@@ -20,7 +19,7 @@ import json
 import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -31,28 +30,18 @@ import pandas as pd
 import commbench
 from commbench.errors import UsageError
 from commbench.inputs.userfiles import clip, kind_of, load_json, show_path
-from commbench.plain import is_missing, knobs_text, plain
+from commbench.plain import plain
 from commbench.report.folder.claim import write_atomic
 from commbench.report.folder.reading import incomplete_reason, read_report
 from commbench.report.folder.writer import spec_from_meta
 from commbench.report.frame import emulated_rows, results_frame
+from commbench.run.case import IDENTITY, Case, cell, group_by_case
 
 SCHEMA = "commbench.baseline/1"
-# A baseline holds a few numbers per case and window: 64 MiB is far beyond any real sweep.
+# A baseline holds a few numbers per case and repeat: 64 MiB is far beyond any real sweep.
 MAX_BASELINE_BYTES = 64 << 20
-CASE_COLUMNS = (
-    "pattern",
-    "phase",
-    "skew",
-    "tokens_per_rank",
-    "send_mode",
-    "size_bytes",
-    "backend",
-    "world_size",
-    "knobs",
-    "check",
-    "timing",
-)
+# The fields of a baseline's case objects (``Case.as_dict``): the identity of ``run.case``.
+CASE_COLUMNS = IDENTITY
 # Figure name -> (result column, unit, True when a higher value is better).
 FIGURES: dict[str, tuple[str, str, bool]] = {
     "time_us": ("time_us_p50", "us", False),
@@ -63,10 +52,9 @@ FIGURES: dict[str, tuple[str, str, bool]] = {
 MAD_TO_SIGMA = 1.4826
 SPREAD_MADS = 3.0
 SPREAD_RULE = (
-    "spread_pct = 100 x 3 x 1.4826 x MAD / median over the case's windows (every run's rows); "
-    "null with one window: run-to-run spread unknown"
+    "spread_pct = 100 x 3 x 1.4826 x MAD / median over the case's repeats (every run's rows); "
+    "null with one measurement: run-to-run spread unknown"
 )
-_BALANCED = "balanced"
 
 
 @dataclass(frozen=True)
@@ -122,50 +110,13 @@ def read_run(path: str | os.PathLike[str], known_good: bool = False) -> ReportRu
     return run
 
 
-def _cell(value: Any) -> str | int | float | None:
-    """A case cell as JSON holds it: None for an empty cell, whole numbers as int, text as text."""
-    if is_missing(value) or (isinstance(value, str) and value == ""):
-        return None
-    if isinstance(value, (bool, np.bool_)):
-        return str(bool(value))
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        number = float(value)
-        return int(number) if number.is_integer() else number
-    return str(value)
-
-
-def case_of(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The case of one result row: every ``CASE_COLUMNS`` entry (None where the row has none); the size only
-    for the balanced all-to-all."""
-    case = {column: _cell(record.get(column)) for column in CASE_COLUMNS}
-    # In memory a knob setting is a dict, in files "k=v k=v" text: the same case either way.
-    case["knobs"] = _cell(knobs_text(record.get("knobs")))
-    if case["pattern"] != _BALANCED:
-        case["size_bytes"] = None
-    return case
-
-
-def case_key(case: Mapping[str, Any]) -> tuple[Any, ...]:
-    """A hashable key of a case dict (the same for a case read from rows and from a baseline file)."""
-    return tuple(case.get(column) for column in CASE_COLUMNS)
-
-
-def case_label(case: Mapping[str, Any]) -> str:
-    """A case in a few words, e.g. "balanced alltoall 4096 B" or "deepseek-v3 zipf:1.2 dispatch 4096 tok"."""
-    parts = [case.get("pattern"), case.get("skew"), case.get("phase")]
-    if case.get("size_bytes") is not None:
-        parts.append(f"{case['size_bytes']} B")
-    if case.get("tokens_per_rank") is not None:
-        parts.append(f"{case['tokens_per_rank']} tok/rank")
-    if case.get("send_mode") not in (None, "token"):
-        parts.append(f"send {case['send_mode']}")
-    if case.get("knobs"):
-        parts.append(f"[{case['knobs']}]")
-    return " ".join(str(part) for part in parts if part is not None)
+def case_of(record: Mapping[str, Any]) -> Case:
+    """The case of one result row (``Case.from_row``: the repeat index is not part of it)."""
+    return replace(Case.from_row(record), repeat=0)
 
 
 def figure_values(rows: pd.DataFrame, figure: str) -> list[float]:
-    """The finite values of ``figure`` (a ``FIGURES`` name) in ``rows``, one per window."""
+    """The finite values of ``figure`` (a ``FIGURES`` name) in ``rows``, one per measurement."""
     column = FIGURES[figure][0]
     if column not in rows.columns:
         return []
@@ -205,8 +156,8 @@ def figure_stats(values: Sequence[float]) -> dict[str, Any]:
 
 
 def iteration_spread(rows: pd.DataFrame) -> dict[str, float | None]:
-    """The spread of single timed iterations inside the windows (medians over windows): how far the p99 and
-    the min lie from the p50, in percent of the p50. Not a run-to-run spread: a p50 over many iterations
+    """The spread of single timed iterations inside the measurements (medians over repeats): how far the p99
+    and the min lie from the p50, in percent of the p50. Not a run-to-run spread: a p50 over many iterations
     varies much less than one iteration does."""
     out: dict[str, float | None] = {"p99_over_p50_pct": None, "p50_over_min_pct": None}
     if "time_us_p50" not in rows.columns:
@@ -223,13 +174,19 @@ def iteration_spread(rows: pd.DataFrame) -> dict[str, float | None]:
     return out
 
 
-def group_cases(frame: pd.DataFrame) -> dict[tuple[Any, ...], tuple[dict[str, Any], pd.DataFrame]]:
-    """The rows of ``frame`` by case, in first-seen order: key -> (case, rows)."""
-    groups: dict[tuple[Any, ...], tuple[dict[str, Any], list[int]]] = {}
-    for position, record in enumerate(frame.to_dict("records")):
-        case = case_of(record)
-        groups.setdefault(case_key(case), (case, []))[1].append(position)
-    return {key: (case, frame.iloc[rows]) for key, (case, rows) in groups.items()}
+def group_cases(frame: pd.DataFrame) -> dict[tuple[Any, ...], tuple[Case, pd.DataFrame]]:
+    """The rows of ``frame`` by case (``run.case.group_by_case``), in first-seen order: key -> (case,
+    rows)."""
+    return {case.key: (case, rows) for case, rows in group_by_case(frame)}
+
+
+def find_case(case: Case, table: Mapping[tuple[Any, ...], Any]) -> Any:
+    """``table``'s entry for ``case`` (by ``Case.key``), or for the case without its model digest where the
+    table was made from rows written before they carried one; None when neither is there."""
+    entry = table.get(case.key)
+    if entry is None and case.model_digest is not None:
+        entry = table.get(case.without_model_digest().key)
+    return entry
 
 
 def run_meta(run: ReportRun) -> dict[str, Any]:
@@ -242,8 +199,8 @@ def run_meta(run: ReportRun) -> dict[str, Any]:
         {
             "path": str(run.path),
             "host": env.get("hostname"),
-            "world_size": _cell(first.get("world_size")) if len(run.frame) else args.get("world_size"),
-            "backend": _cell(first.get("backend")) if len(run.frame) else args.get("backend"),
+            "world_size": cell(first.get("world_size")) if len(run.frame) else args.get("world_size"),
+            "backend": cell(first.get("backend")) if len(run.frame) else args.get("backend"),
             "emulated": bool(emulated_rows(run.frame).any()) if "emulated" in run.frame.columns else None,
             "spec": spec.get("name"),
             "commbench_version": meta.get("commbench_version") or versions.get("commbench"),
@@ -256,7 +213,7 @@ def run_meta(run: ReportRun) -> dict[str, Any]:
 
 
 def build_baseline(runs: Sequence[ReportRun]) -> dict[str, Any]:
-    """The baseline of known-good ``runs``: per case, every figure's statistics over all their windows."""
+    """The baseline of known-good ``runs``: per case, every figure's statistics over all their repeats."""
     if not runs:
         raise UsageError("a baseline needs at least one report folder")
     cases: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -271,10 +228,10 @@ def build_baseline(runs: Sequence[ReportRun]) -> dict[str, Any]:
         sizes = sorted({int(v) for v in pd.to_numeric(rows["size_bytes"], errors="coerce").dropna()})
         out_cases.append(
             {
-                "case": entry["case"],
-                "label": case_label(entry["case"]),
+                "case": entry["case"].as_dict(),
+                "label": entry["case"].label,
                 "runs": len(entry["runs"]),
-                "windows": len(rows),
+                "repeats": len(rows),
                 "size_bytes": sizes,
                 "figures": {name: figure_stats(figure_values(rows, name)) for name in FIGURES},
                 "iteration_spread": iteration_spread(rows),
@@ -364,11 +321,12 @@ def _finite(value: Any) -> bool:
 
 
 def baseline_cases(baseline: Mapping[str, Any]) -> dict[tuple[Any, ...], dict[str, Any]]:
-    """The cases of a baseline (``read_baseline`` or ``build_baseline``) by key."""
+    """The cases of a baseline (``read_baseline`` or ``build_baseline``) by ``Case.key``; each entry's
+    ``case`` a ``Case`` (a field a baseline file lacks, such as an older file's model digest, is None)."""
     out: dict[tuple[Any, ...], dict[str, Any]] = {}
     for entry in baseline.get("cases", []):
-        case = {column: entry["case"].get(column) for column in CASE_COLUMNS}
-        out[case_key(case)] = {**entry, "case": case}
+        case = Case.from_dict(entry["case"])
+        out[case.key] = {**entry, "case": case}
     return out
 
 

@@ -6,17 +6,18 @@
 The figure checked is busbw (GB/s, higher is better; the time where a case moves no link bytes). A case is:
 
 - FAIL when it is more than ``fail_pct`` worse than the baseline median AND beyond the baseline's run-to-run
-  spread (``spread_pct``: three scaled MADs over the baseline's windows);
+  spread (``spread_pct``: three scaled MADs over the baseline's repeats);
 - WARN when more than ``warn_pct`` worse and beyond the spread;
 - PASS otherwise; a drop past a threshold but inside the spread is PASS with the note "within run-to-run
-  spread" (noise is not a finding). A baseline from one window has no known spread: the thresholds alone
+  spread" (noise is not a finding). A baseline from one measurement has no known spread: the thresholds alone
   decide, and the message says so;
 - SKIP when the baseline has no such case, the figure is missing, or the row's #wrong > 0 (its time is not a
   measurement of a correct exchange).
 
-``compare_runs`` matches the cases of two runs; "beyond spread?" uses the windows' spread where both runs
-have two or more windows of the case, else the timed iterations' spread inside each run (each p50 outside the
-other run's [min, p99] iteration times), else "unknown".
+``compare_runs`` matches the cases of two runs (``run.case.Case``; ``baseline.find_case``); "beyond
+spread?" uses the repeats' spread where both runs have two or more repeats of the case, else the timed
+iterations' spread inside each run (each p50 outside the other run's [min, p99] iteration times), else
+"unknown".
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from commbench.report.judge.baseline import (
     FIGURES,
     ReportRun,
     baseline_cases,
-    case_label,
     figure_values,
+    find_case,
     group_cases,
     robust_spread_pct,
     run_meta,
 )
 from commbench.report.pages.tables import fmt_text, fmt_time, format_bandwidth, format_table
+from commbench.run.case import Case
 
 GROUP = "baseline"
 ELEMENT_FIELDS = ("group", "name", "status", "value", "limit", "unit", "message", "remedy")
@@ -62,12 +64,12 @@ class BaselineFinding:
     group: str
     name: str
     status: str  # PASS, WARN, FAIL or SKIP
-    value: float | None  # measured (median over this run's windows of the case)
+    value: float | None  # measured (median over this run's repeats of the case)
     limit: float | None  # the WARN floor (bandwidth) or ceiling (time) the status was judged against
     unit: str
     message: str
     remedy: str | None
-    case: dict[str, Any] = field(default_factory=dict)
+    case: dict[str, Any] = field(default_factory=dict)  # Case.as_dict()
     figure: str | None = None
     baseline_median: float | None = None
     difference_pct: float | None = None  # (measured - baseline median) / median x 100, signed
@@ -95,22 +97,22 @@ def _figure_for(entry: Mapping[str, Any]) -> str:
     return "busbw_GBps" if isinstance(median, (int, float)) and median > 0 else "time_us"
 
 
-def _skip(case: dict[str, Any], message: str, **details: Any) -> BaselineFinding:
+def _skip(case: Case, message: str, **details: Any) -> BaselineFinding:
     """A case that is not judged: status SKIP, ``message`` saying why."""
-    fields: dict[str, Any] = {"name": case_label(case), "unit": "", "value": None, **details}
+    fields: dict[str, Any] = {"name": case.label, "unit": "", "value": None, **details}
     return BaselineFinding(
-        group=GROUP, status="SKIP", limit=None, message=message, remedy=None, case=case, **fields
+        group=GROUP, status="SKIP", limit=None, message=message, remedy=None, case=case.as_dict(), **fields
     )
 
 
 def _judge(
-    case: dict[str, Any], rows: pd.DataFrame, entry: Mapping[str, Any], warn_pct: float, fail_pct: float
+    case: Case, rows: pd.DataFrame, entry: Mapping[str, Any], warn_pct: float, fail_pct: float
 ) -> BaselineFinding:
     figure = _figure_for(entry)
     _, unit, higher_is_better = FIGURES[figure]
     stats = entry["figures"].get(figure) or {}
     base, spread, runs = stats.get("median"), stats.get("spread_pct"), entry.get("runs", stats.get("n"))
-    name = f"{case_label(case)} {figure.split('_')[0]}"
+    name = f"{case.label} {figure.split('_')[0]}"
     measured = _median(figure_values(rows, figure))
     details = dict(name=name, unit=unit, figure=figure, baseline_median=base, value=measured)
     wrong = pd.to_numeric(rows.get("wrong", pd.Series(dtype=float)), errors="coerce").fillna(0)
@@ -127,9 +129,9 @@ def _judge(
     fail_limit = base * (1 - sign * fail_pct / 100.0)
     direction = "below" if difference < 0 else "above"
     spread_text = (
-        f"baseline spread +-{spread:.1f}% over {stats.get('n')} windows of {runs} run(s)"
+        f"baseline spread +-{spread:.1f}% over {stats.get('n')} repeats of {runs} run(s)"
         if spread is not None
-        else f"run-to-run spread unknown (baseline has {stats.get('n')} window(s)): thresholds alone decide"
+        else f"run-to-run spread unknown (baseline has {stats.get('n')} repeat(s)): thresholds alone decide"
     )
     text = (
         f"{figure.split('_')[0]} {_fmt(measured, unit)} {unit}, {abs(difference):.1f}% {direction} the "
@@ -154,7 +156,7 @@ def _judge(
         limit=limit,
         message=text,
         remedy=_REMEDY if status in ("WARN", "FAIL") else None,
-        case=case,
+        case=case.as_dict(),
         difference_pct=difference,
         worse_pct=worse,
         spread_pct=spread,
@@ -181,13 +183,15 @@ def compare_to_baseline(
     known = baseline_cases(baseline)
     findings = []
     measured = group_cases(frame) if not frame.empty else {}
-    for key, (case, rows) in measured.items():
-        entry = known.get(key)
+    matched: set[tuple[Any, ...]] = set()
+    for case, rows in measured.values():
+        entry = find_case(case, known)
         if entry is None:
             findings.append(_skip(case, "not compared: the baseline has no such case"))
         else:
+            matched.add(entry["case"].key)
             findings.append(_judge(case, rows, entry, warn_pct, fail_pct))
-    missing = [entry["case"] for key, entry in known.items() if key not in measured]
+    missing = [entry["case"] for key, entry in known.items() if key not in matched]
     findings += [_skip(case, "not compared: this run did not measure this baseline case") for case in missing]
     return findings
 
@@ -197,8 +201,8 @@ def compare_to_baseline(
 
 
 def _side(rows: pd.DataFrame) -> dict[str, Any]:
-    """One run's figures of a case: medians over its windows, the windows' spread, the iteration times."""
-    out: dict[str, Any] = {"windows": len(rows)}
+    """One run's figures of a case: medians over its repeats, the repeats' spread, the iteration times."""
+    out: dict[str, Any] = {"repeats": len(rows)}
     for figure in FIGURES:
         values = figure_values(rows, figure)
         out[figure] = _median(values)
@@ -220,10 +224,10 @@ def _has_iteration_spread(side: dict[str, Any]) -> bool:
 
 def _beyond(a: dict[str, Any], b: dict[str, Any], difference: float | None) -> tuple[bool | None, str]:
     """Whether the time differs by more than the spread, and what spread was used."""
-    if a["windows"] >= 2 and b["windows"] >= 2:
+    if a["repeats"] >= 2 and b["repeats"] >= 2:
         spreads = [s for s in (a["time_us_spread_pct"], b["time_us_spread_pct"]) if s is not None]
         if spreads and difference is not None:
-            return abs(difference) > max(spreads), "windows"
+            return abs(difference) > max(spreads), "repeats"
     if _has_iteration_spread(a) and _has_iteration_spread(b):
         a_outside = not b["time_us_min"] <= a["time_us"] <= b["time_us_p99"]
         b_outside = not a["time_us_min"] <= b["time_us"] <= a["time_us_p99"]
@@ -239,6 +243,12 @@ def compare_runs(run_a: ReportRun, run_b: ReportRun) -> dict[str, Any]:
     """The cases of two runs side by side (A, B, difference % of B against A, beyond spread?), and the cases
     only one run has; JSON-safe."""
     cases_a, cases_b = group_cases(run_a.frame), group_cases(run_b.frame)
+    # A folder written before rows carried a model digest: its cases match on the other fields.
+    old_a = any(case.model_digest is None for case, _ in cases_a.values())
+    old_b = any(case.model_digest is None for case, _ in cases_b.values())
+    if old_a or old_b:
+        cases_a = {case.without_model_digest().key: (case, rows) for case, rows in cases_a.values()}
+        cases_b = {case.without_model_digest().key: (case, rows) for case, rows in cases_b.values()}
     matched = []
     for key, (case, rows_a) in cases_a.items():
         if key not in cases_b:
@@ -248,8 +258,8 @@ def compare_runs(run_a: ReportRun, run_b: ReportRun) -> dict[str, Any]:
         beyond, basis = _beyond(a, b, differences["time_us"])
         matched.append(
             {
-                "case": case,
-                "label": case_label(case),
+                "case": case.as_dict(),
+                "label": case.label,
                 "a": a,
                 "b": b,
                 "difference_pct": differences,
@@ -258,15 +268,15 @@ def compare_runs(run_a: ReportRun, run_b: ReportRun) -> dict[str, Any]:
             }
         )
     only = {
-        "only_in_a": [case for key, (case, _) in cases_a.items() if key not in cases_b],
-        "only_in_b": [case for key, (case, _) in cases_b.items() if key not in cases_a],
+        "only_in_a": [case.as_dict() for key, (case, _) in cases_a.items() if key not in cases_b],
+        "only_in_b": [case.as_dict() for key, (case, _) in cases_b.items() if key not in cases_a],
     }
     return plain(
         {
             "schema": COMPARE_SCHEMA,
             "a": {**run_meta(run_a), "incomplete": run_a.incomplete, "wrong": run_a.wrong},
             "b": {**run_meta(run_b), "incomplete": run_b.incomplete, "wrong": run_b.wrong},
-            "difference": "100 x (B - A) / A, of the medians over each run's windows of the case",
+            "difference": "100 x (B - A) / A, of the medians over each run's repeats of the case",
             "cases": matched,
             **only,
         }
@@ -275,6 +285,7 @@ def compare_runs(run_a: ReportRun, run_b: ReportRun) -> dict[str, Any]:
 
 _CASE_HEADERS = {
     "pattern": "pattern",
+    "model_digest": "model",
     "skew": "skew",
     "phase": "phase",
     "size_bytes": "size(B)",
@@ -290,7 +301,7 @@ _CASE_HEADERS = {
 
 def _case_columns(cases: list[dict[str, Any]]) -> list[str]:
     """The case fields worth a column: those with a value somewhere, backend/ranks/check only if they vary."""
-    varying_only = ("backend", "world_size", "check")
+    varying_only = ("backend", "world_size", "check", "model_digest")
     columns = []
     for column in CASE_COLUMNS:
         values = {case.get(column) for case in cases}
@@ -365,26 +376,26 @@ def comparison_markdown(comparison: Mapping[str, Any]) -> str:
         "window / iterations); busbw: GB/s (1e9 B/s), one direction, from that time.",
     ]
     bases = {entry["spread_basis"] for entry in cases}
-    if "windows" in bases:
+    if "repeats" in bases:
         lines.append(
-            "- windows: both runs have 2 or more windows of the case; beyond = the time differs by more "
-            "than 3 scaled MADs of either run's windows."
+            "- repeats: both runs have 2 or more repeats of the case; beyond = the time differs by more "
+            "than 3 scaled MADs of either run's repeats."
         )
     if "iterations" in bases:
         lines.append(
-            "- iterations: one window per run, so the run-to-run spread is unknown; beyond = each "
+            "- iterations: one measurement per run, so the run-to-run spread is unknown; beyond = each "
             "run's p50 lies outside the other's [min, p99] iteration times (single iterations "
             "vary more than a p50 does: repeat the runs, or build a baseline of 3 or more, to know)."
         )
     if "unknown" in bases:
         lines.append(
-            "- unknown: one window per run and no spread of timed iterations in the rows (window timing "
-            "gives one time per window): the run-to-run spread is unknown; repeat the runs to know it."
+            "- unknown: one measurement per run and no spread of timed iterations in the rows (window timing "
+            "gives one time per measurement): the run-to-run spread is unknown; repeat the runs to know it."
         )
     for name, side in (("A", "only_in_a"), ("B", "only_in_b")):
         if comparison[side]:
             lines += ["", f"Only in {name} ({len(comparison[side])}):"]
-            lines += [f"- {case_label(case)}" for case in comparison[side]]
+            lines += [f"- {Case.from_dict(case).label}" for case in comparison[side]]
     return "\n".join(lines) + "\n"
 
 
@@ -397,7 +408,7 @@ def findings_markdown(findings: list[BaselineFinding]) -> str:
         rows.append(
             [
                 finding.status,
-                finding.name if finding.figure is None else case_label(finding.case),
+                finding.name if finding.figure is None else Case.from_dict(finding.case).label,
                 f"{finding.figure.split('_')[0]}({unit})" if finding.figure else "-",
                 "-" if finding.value is None else _fmt(finding.value, unit),
                 "-" if finding.baseline_median is None else _fmt(finding.baseline_median, unit),

@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 
 from commbench.inputs.limits import SpreadRule
 from commbench.plain import is_missing
+from commbench.run.case import group_by_case, size_text
+
+__all__ = ["size_text"]  # re-exported: the verdict's names use it
 
 SCALED_MAD = 1.4826  # MAD x this = the standard deviation, for normally distributed values
-CASE_COLUMNS = ("pattern", "phase", "skew", "size_bytes")  # what makes a case in ranks.csv
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class CaseSpread:
     scaled_mad: float
     flags: tuple[RankFlag, ...] = ()
     skipped: str = ""
+    key: tuple[object, ...] = ()  # the case's Case.repeat_key (outliers_by_case): reruns are matched by it
 
 
 @dataclass(frozen=True)
@@ -120,46 +123,21 @@ def find_outliers(
     return CaseSpread(case, metric, unit, len(known), median, scaled_mad, tuple(flags))
 
 
-def case_label(keys: Mapping[str, object]) -> str:
-    """A case's name from its key columns: "balanced 16 MiB", "deepseek-v3 dispatch zipf:1.2"."""
-    parts = []
-    for column, value in keys.items():
-        if is_missing(value) or value == "" or (column == "phase" and value == "alltoall"):
-            continue  # "balanced 16 MiB": the balanced all-to-all's phase says nothing more
-        parts.append(size_text(int(value)) if column == "size_bytes" else str(value))
-    return " ".join(parts) or "all"
-
-
-def size_text(size: int) -> str:
-    """Bytes in binary units as users write them: 16 MiB, 1.5 GiB, 512 B."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= scale:
-            return f"{size / scale:g} {unit}"
-    return f"{size} B"
-
-
-def spread_by_case(
-    rank_frame: pd.DataFrame,
-    column: str,
-    rule: SpreadRule,
-    metric: str | None = None,
-    unit: str = "us",
-    case_columns: Sequence[str] = CASE_COLUMNS,
+def outliers_by_case(
+    rank_frame: pd.DataFrame, column: str, rule: SpreadRule, metric: str | None = None, unit: str = "us"
 ) -> list[CaseSpread]:
-    """The rule per case over ranks.csv rows (``rank`` and ``column`` per row; cases by ``case_columns``
-    present in the frame), in the order cases first appear."""
+    """The rule per case over rank rows (``rank`` and ``column`` per row), in the order cases first appear.
+    A case is a ``run.case.Case`` with its repeat: each measurement of a case is judged on its own (one value
+    per rank), named by ``Case.label`` and keyed by ``Case.repeat_key``."""
     if rank_frame.empty or column not in rank_frame.columns or "rank" not in rank_frame.columns:
         return []
-    keys = [c for c in case_columns if c in rank_frame.columns]
-    groups = rank_frame.groupby(keys, dropna=False, sort=False) if keys else [((), rank_frame)]
     out = []
-    for key, rows in groups:
-        key = key if isinstance(key, tuple) else (key,)
+    for case, rows in group_by_case(rank_frame, repeat=True):
         values = dict(
             zip(rows["rank"].astype(int), pd.to_numeric(rows[column], errors="coerce"), strict=True)
         )
-        label = case_label(dict(zip(keys, key, strict=True)))
-        out.append(find_outliers(values, rule, case=label, metric=metric or column, unit=unit))
+        spread = find_outliers(values, rule, case=case.label, metric=metric or column, unit=unit)
+        out.append(replace(spread, key=case.repeat_key))
     return out
 
 

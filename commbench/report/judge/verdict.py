@@ -47,7 +47,8 @@ from commbench.inputs.specs import SystemSpec
 from commbench.inputs.userfiles import load_json
 from commbench.plain import is_missing, plain
 from commbench.report.folder.claim import write_atomic
-from commbench.report.judge.outliers import SpreadOutcome, size_text
+from commbench.report.judge.outliers import SpreadOutcome
+from commbench.run.case import Case, size_text
 
 SCHEMA = "commbench.verdict/1"
 VERDICT_FILE = "verdict.json"
@@ -164,13 +165,9 @@ def _is_true(value: Any) -> bool:
 
 
 def _case(row: Mapping[str, Any]) -> str:
-    if row.get("phase") == "alltoall":
-        return f"balanced {size_text(int(_value(row, 'size_bytes') or 0))}"
-    parts = [str(row.get("pattern") or ""), str(row.get("phase") or "")]
-    skew = row.get("skew")
-    if not is_missing(skew) and skew not in ("", "uniform") and str(skew) not in parts[0]:
-        parts.append(f"skew {skew}")
-    return " ".join(part for part in parts if part)
+    """The element name of a result row's case: its ``Case.label`` ("balanced 16 MiB", "deepseek-v3
+    dispatch skew zipf:1.2 512 tok/rank")."""
+    return Case.from_row(row).label
 
 
 def _bandwidth_element(

@@ -18,6 +18,7 @@ from commbench.plain import is_missing
 from commbench.report.frame import balanced_rows
 from commbench.report.knobs import KNOB_SETTING_COLUMN
 from commbench.report.pages.tables import fmt_size, fmt_text
+from commbench.run.case import group_by_case
 
 
 def _balanced_rows(frame: pd.DataFrame) -> pd.DataFrame:
@@ -118,21 +119,6 @@ def per_gpu_figure(frame: pd.DataFrame, spec: SystemSpec) -> Any:
     return figure
 
 
-def _rank_case_title(values: dict[str, Any]) -> str:
-    """e.g. "deepseek-v3, skew zipf:1.2, token mode, 512 tokens/rank" (missing parts left out)."""
-    parts = [fmt_text(values.get("pattern"))]
-    if not is_missing(values.get("skew")):
-        parts.append(f"skew {values['skew']}")
-    if not is_missing(values.get("send_mode")):
-        parts.append(f"{values['send_mode']} mode")
-    if not is_missing(values.get("tokens_per_rank")):
-        parts.append(f"{int(values['tokens_per_rank'])} tokens/rank")
-    if not is_missing(values.get(KNOB_SETTING_COLUMN)):
-        parts.append(str(values[KNOB_SETTING_COLUMN]))
-    return ", ".join(parts)
-
-
-_RANK_CASE_KEYS = ("pattern", "skew", "send_mode", "tokens_per_rank", "size_bytes", KNOB_SETTING_COLUMN)
 _MAX_RANK_PLOTS = 12
 
 
@@ -143,14 +129,15 @@ def rank_figures(ranks: pd.DataFrame) -> list[tuple[str, Callable[[], Any]]]:
     if ranks.empty or not needed <= set(ranks.columns):
         return []
     moe = ranks[ranks["phase"] != "alltoall"]
-    keys = [k for k in _RANK_CASE_KEYS if k in moe.columns]
     if moe.empty:
         return []
     plots = []
-    grouped = moe.groupby(keys, sort=False, dropna=False) if keys else [((), moe)]
-    for key, case in list(grouped)[:_MAX_RANK_PLOTS]:
-        values = dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True))
-        title = _rank_case_title(values)
+    # One plot per MoE layer (run.case.Case.layer); its bytes are the same in every repeat: the first's.
+    layers = [
+        (layer, rows) for layer, rows in group_by_case(moe, repeat=True, layer=True) if layer.repeat == 0
+    ]
+    for layer, case in layers[:_MAX_RANK_PLOTS]:
+        title = layer.label
         plots.append((title, lambda case=case, title=title: _rank_figure(case, title)))
     return plots
 

@@ -16,9 +16,9 @@ from typing import Any
 import pandas as pd
 
 from commbench.inputs.specs import SystemSpec, has_figures
+from commbench.report.analysis.repeats import repeat_range_section
 from commbench.report.analysis.replicas import replicas_section
 from commbench.report.analysis.soak import soak_figure
-from commbench.report.analysis.windows import window_spread_section
 from commbench.report.folder.reading import ExtraTables, incomplete_reason
 from commbench.report.frame import CONVENTIONS, average_bus_bandwidth, balanced_rows, pair_frame
 from commbench.report.judge.pairs import CLASS_WORDS, TEST_WORDS, heatmap_figure, pair_matrix
@@ -158,7 +158,7 @@ def report_sections(
     costs = skew_cost_table(frame)
     if costs is not None:
         page.append(Section("What skew costs", (Text(SKEW_COST_NOTE), costs)))
-    page += [s for s in (window_spread_section(frame), replicas_section(frame)) if s is not None]
+    page += [s for s in (repeat_range_section(frame), replicas_section(frame)) if s is not None]
     page += budget_sections(frame, meta, spec)
     if not extras.profile.empty:
         page += profile_sections(extras.profile, extras.arrivals, extras.peers)
@@ -187,7 +187,7 @@ def _headline(frame: pd.DataFrame, spec: SystemSpec) -> Section:
     )
     soak = soak_figure(frame)
     if soak is not None:  # a soak run: bandwidth over time first (its balanced sweep is a single size)
-        blocks += [Figure("Soak: bandwidth per window over time", lambda: soak), per_gpu]
+        blocks += [Figure("Soak: bandwidth per round over time", lambda: soak), per_gpu]
     else:
         blocks += [Figure("Balanced all-to-all: bus bandwidth vs size", lambda: balanced_figure(frame, spec))]
         blocks.append(per_gpu)

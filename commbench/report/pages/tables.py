@@ -242,7 +242,7 @@ def column_table(columns: Sequence[Column], frame: pd.DataFrame, wide: bool = Tr
 
 KNOBS = column(KNOB_SETTING_COLUMN, "knobs", fmt_text)
 TIMING = column("timing", "timing", fmt_text)  # shown only where the rows mix timing modes
-WINDOW = column("window", "window", fmt_int)  # shown only where a case has several windows (--repeat)
+REPEAT = column("repeat", "repeat", fmt_int)  # shown only where a case was measured several times (--repeat)
 _CASE = (column("pattern", "pattern", fmt_text), column("skew", "skew", fmt_text))
 _PHASE = column("phase", "phase", fmt_text)
 _BACKEND = column("backend", "backend", fmt_text)
@@ -258,7 +258,7 @@ _BALANCED_TABLE = (
     _BACKEND,
     KNOBS,
     TIMING,
-    WINDOW,
+    REPEAT,
     _SIZE,
     column("time_us_mean", "time mean(us)", fmt_time),
     *_OTHER_TIMES,
@@ -272,7 +272,7 @@ _MOE_TABLE = (
     _BACKEND,
     KNOBS,
     TIMING,
-    WINDOW,
+    REPEAT,
     column("skew", "skew", fmt_text),
     column("send_mode", "send mode", fmt_text),
     column("tokens_per_rank", "tokens/rank", fmt_int),
@@ -321,7 +321,7 @@ _LINK_CLASS_TABLE = (
     *_CASE,
     _PHASE,
     KNOBS,
-    WINDOW,
+    REPEAT,
     column("size_bytes", "size(B)", fmt_int),
     column("algbw_GBps", "algbw self incl.(GB/s)", format_bandwidth),
     column("busbw_GBps", "link bw self excl.(GB/s)", format_bandwidth),
@@ -335,11 +335,11 @@ _SKEW_COST_TABLE = (
     *_CASE,
     _PHASE,
     KNOBS,
-    WINDOW,
+    REPEAT,
     column("maxvio", "maxvio", fmt_float(3)),
     column("total_bytes", "total(B)", fmt_int),
     column("time_us_p50", "time p50(us)", fmt_time),
-    column("balanced_time_us_p50", "balanced p50(us)", fmt_time),
+    column("uniform_ref_time_us_p50", "uniform ref p50(us)", fmt_time),
     column("skew_cost", "skew cost(x)", fmt_float(2)),
     column("skew_bw_loss_pct", "bw loss(%)", fmt_float(1)),
 )
@@ -352,10 +352,10 @@ def any_emulated(frame: pd.DataFrame) -> bool:
 
 def timing_shown(frame: pd.DataFrame) -> pd.DataFrame:
     """``frame`` with a ``timing`` cell in every row where the rows mix timing modes, else without the
-    column, and without ``window`` unless a case has several (tables show what tells rows apart)."""
+    column, and without ``repeat`` unless a case has several (tables show what tells rows apart)."""
     frame = with_timing(frame) if mixes_timing(frame) else frame.drop(columns="timing", errors="ignore")
-    if "window" in frame.columns and pd.to_numeric(frame["window"], errors="coerce").fillna(0).max() < 1:
-        frame = frame.drop(columns="window")  # one window per case: the column says nothing
+    if "repeat" in frame.columns and pd.to_numeric(frame["repeat"], errors="coerce").fillna(0).max() < 1:
+        frame = frame.drop(columns="repeat")  # one measurement per case: the column says nothing
     return frame
 
 
@@ -373,7 +373,7 @@ def pattern_tables(frame: pd.DataFrame) -> list[tuple[str, Table]]:
     tables = []
     for name, group in groups:
         balanced = "phase" in group.columns and bool((group["phase"] == "alltoall").all())
-        # A timing (or window) column only where this table's own rows differ in it; where the run mixes
+        # A timing (or repeat) column only where this table's own rows differ in it; where the run mixes
         # modes but this table does not, its title says which.
         if mixing and not mixes_timing(group):
             name = f"{name} (timing: {with_timing(group)['timing'].iloc[0]})"
@@ -389,10 +389,10 @@ def link_class_table(frame: pd.DataFrame) -> Table | None:
 
 
 def skew_cost_table(frame: pd.DataFrame) -> Table | None:
-    """The "what skew costs" table: MoE rows that carry a balanced reference time; None without any."""
-    if frame.empty or "balanced_time_us_p50" not in frame.columns:
+    """The "what skew costs" table: MoE rows that carry a uniform reference time; None without any."""
+    if frame.empty or "uniform_ref_time_us_p50" not in frame.columns:
         return None
-    rows = frame[pd.to_numeric(frame["balanced_time_us_p50"], errors="coerce").notna()]
+    rows = frame[pd.to_numeric(frame["uniform_ref_time_us_p50"], errors="coerce").notna()]
     return None if rows.empty else column_table(_SKEW_COST_TABLE, timing_shown(rows), wide=False)
 
 

@@ -1,10 +1,11 @@
 """The comm/compute budget as a table: measured MoE cases (the report's section) or modelled sizes (simulate).
 
 ``budget_table`` formats budgets (``commbench.fabric.budget``) through the one table printer; ``moe_budget``
-builds them from a results frame's MoE rows: per case, dispatch + combine time p50 (the median over its
-windows) and the busiest rank's (token, expert) selections from the rows' ``busiest_rank_selections``
-column (``BUSIEST_COLUMN``). A selection-mode case without that column still has it: its dispatch row's
-``max_recv_bytes / row_bytes`` is that count (one row per selection, self traffic included).
+builds them from a results frame's MoE rows: per MoE layer (``run.case.Case.layer``), dispatch + combine
+time p50 (the median over its repeats) and the busiest rank's (token, expert) selections from the rows'
+``busiest_rank_selections`` column (``BUSIEST_COLUMN``). A selection-mode case without that column still
+has it: its dispatch row's ``max_recv_bytes / row_bytes`` is that count (one row per selection, self
+traffic included).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ from commbench.plain import is_missing
 from commbench.report.frame import emulated_rows
 from commbench.report.pages.render import Bullets, Section
 from commbench.report.pages.tables import Table
+from commbench.run.case import Case, group_by_case, model_digest
 
 # The result-row column the harness adds to an MoE case's dispatch and combine rows: the most (token,
 # expert) selections any rank's experts received in the layer (Pattern.dispatch_selections.sum(0).max()).
 BUSIEST_COLUMN = "busiest_rank_selections"
-_CASE_COLUMNS = ("pattern", "skew", "tokens_per_rank", "send_mode", "backend", "knobs")
 HEADERS = (
     "busiest-rank selections",
     "expert GFLOP (fwd)",
@@ -91,18 +92,6 @@ def budgets_json(budgets: Sequence[tuple[int, Budget]]) -> list[dict[str, Any]]:
     return [{"ranks": world, **asdict(budget), "verdict": budget.verdict()} for world, budget in budgets]
 
 
-def _case_label(values: dict[str, object]) -> str:
-    parts = [values.get("pattern"), values.get("skew")]
-    tokens = values.get("tokens_per_rank")
-    if not is_missing(tokens):
-        parts.append(f"{int(float(str(tokens)))} tok/rank")
-    parts += [values.get("send_mode"), values.get("backend")]
-    knobs = values.get("knobs")
-    if isinstance(knobs, str) and knobs:
-        parts.append(f"[{knobs}]")
-    return " ".join(str(part) for part in parts if not is_missing(part) and part != "")
-
-
 def _busiest(dispatch: pd.DataFrame) -> int | None:
     """The case's busiest-rank selections: the rows' column, else (selection mode) received rows."""
     if BUSIEST_COLUMN in dispatch.columns:
@@ -119,9 +108,12 @@ def _busiest(dispatch: pd.DataFrame) -> int | None:
     return int(counts.max()) if not counts.empty else None
 
 
-def _models_by_name(models: ModelConfig | Iterable[ModelConfig]) -> dict[str, ModelConfig]:
-    chosen = [models] if isinstance(models, ModelConfig) else list(models)
-    return {model.name: model for model in chosen}
+def _model_for(layer: Case, models: Sequence[ModelConfig]) -> ModelConfig | None:
+    """The model of an MoE layer: the one whose traffic digest the rows carry, else (rows written before
+    they carried one) the one of the pattern's name."""
+    if layer.model_digest is not None:
+        return next((model for model in models if model_digest(model) == layer.model_digest), None)
+    return next((model for model in models if model.name == layer.pattern), None)
 
 
 def moe_budget(
@@ -140,22 +132,21 @@ def moe_budget(
     moe = frame[frame["phase"].astype(str).isin(("dispatch", "combine"))]
     if moe.empty:
         return None
-    by_name = _models_by_name(models)
-    keys = [column for column in _CASE_COLUMNS if column in moe.columns]
+    chosen = [models] if isinstance(models, ModelConfig) else list(models)
     labelled: list[tuple[str, Budget]] = []
     skipped: list[str] = []
-    for key, case in moe.groupby(keys, dropna=False, sort=False):
-        label = _case_label(dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True)))
+    for layer, case in group_by_case(moe, layer=True):  # dispatch and combine of a layer, every repeat
+        label = layer.label
         phases = {
             phase: pd.to_numeric(rows["time_us_p50"], errors="coerce").median()
             for phase, rows in case.groupby(case["phase"].astype(str))
         }
-        model = by_name.get(str(case["pattern"].iloc[0]))
+        model = _model_for(layer, chosen)
         selections = _busiest(case[case["phase"].astype(str) == "dispatch"])
         if len(phases) < 2 or any(is_missing(value) for value in phases.values()):
             skipped.append(f"{label}: not computed: needs both dispatch and combine times")
         elif model is None:
-            skipped.append(f"{label}: not computed: model {case['pattern'].iloc[0]} not given")
+            skipped.append(f"{label}: not computed: model {layer.pattern} not given (or another of its name)")
         elif selections is None:
             skipped.append(f"{label}: not computed: the rows have no {BUSIEST_COLUMN} column")
         else:

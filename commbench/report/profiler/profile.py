@@ -6,9 +6,11 @@ steps "phase" = the whole call, the API time, "transfer" = the payload steps, "o
 covers), arrivals.csv (rank, iteration, entered_us / left_us on rank 0's clock from the iteration's first
 entry, waited_us until the last rank entered) and peers.csv (shmem-emu: when each source's data was seen).
 
-Statistics: a step's "max across ranks" is the largest per-rank p50 (the rank that spends longest in it);
-p50 and p99 are over every (rank, iteration). A rank's lateness in an iteration is its entry minus the median
-entry of the other ranks; "last" counts the iterations where it entered after every other rank.
+A case is a ``run.case.Case`` with its repeat (the profile rows carry every case column of their result
+row), named by its label. Statistics: a step's "max across ranks" is the largest per-rank p50 (the rank
+that spends longest in it); p50 and p99 are over every (rank, iteration). A rank's lateness in an iteration
+is its entry minus the median entry of the other ranks; "last" counts the iterations where it entered after
+every other rank.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ import pandas as pd
 
 from commbench.report.pages.render import Figure, Section, Text
 from commbench.report.pages.tables import Table
+from commbench.run.case import Case, group_by_case
 
 PROFILE_FILE = "profile.csv"
 ARRIVALS_FILE = "arrivals.csv"
 PEERS_FILE = "peers.csv"
 TRACE_FILE = "trace.json"
-CASE_COLUMNS = ("pattern", "skew", "phase", "size_bytes", "window", "knobs")
 SUMMARY_STEPS = ("phase", "transfer")  # not parts of the stacked bar: the whole call and a sum of steps
 PROFILE_NOTE = (
     "Per step of each phase: max across ranks = the largest per-rank p50 (us), p50 / p99 over every (rank, "
@@ -44,33 +46,9 @@ STRAGGLER_NOTE = (
 )
 
 
-def _case_key(frame: pd.DataFrame) -> list[str]:
-    return [column for column in CASE_COLUMNS if column in frame.columns]
-
-
-def case_text(values: dict[str, Any]) -> str:
-    """ "deepseek-v3 zipf:1.2 dispatch", "balanced 1048576 B alltoall"."""
-    phase = values.get("phase")
-    size = values.get("size_bytes")
-    middle = (
-        f"{int(size)} B" if phase == "alltoall" and size is not None and size == size else values.get("skew")
-    )
-    window = values.get("window")
-    parts = [
-        values.get("pattern"),
-        middle,
-        phase,
-        f"window {int(window)}" if window and window == window else None,
-    ]
-    return " ".join(str(part) for part in parts if part is not None and part == part and part != "")
-
-
-def _groups(frame: pd.DataFrame) -> list[tuple[dict[str, Any], pd.DataFrame]]:
-    keys = _case_key(frame)
-    out = []
-    for key, rows in frame.groupby(keys, dropna=False, sort=False):
-        out.append((dict(zip(keys, key if isinstance(key, tuple) else (key,), strict=True)), rows))
-    return out
+def _groups(frame: pd.DataFrame) -> list[tuple[Case, pd.DataFrame]]:
+    """The rows of each measured case (``run.case.Case`` with its repeat: one profile per measurement)."""
+    return group_by_case(frame, repeat=True)
 
 
 def step_stats(profile: pd.DataFrame) -> pd.DataFrame:
@@ -83,7 +61,7 @@ def step_stats(profile: pd.DataFrame) -> pd.DataFrame:
             values = steps["us"].to_numpy(dtype=float)
             records.append(
                 {
-                    "case": case_text(case), "step": step, "max_rank_us": float(per_rank.max()),
+                    "case": case.label, "step": step, "max_rank_us": float(per_rank.max()),
                     "slowest_rank": int(per_rank.idxmax()), "p50_us": float(np.percentile(values, 50)),
                     "p99_us": float(np.percentile(values, 99)),
                     "share_pct": 100.0 * float(per_rank.sum()) / phase_sum if phase_sum > 0 else float("nan"),
@@ -126,7 +104,7 @@ def straggler_stats(arrivals: pd.DataFrame) -> pd.DataFrame:
             lateness = entered[:, column] - np.median(others, axis=1)
             records.append(
                 {
-                    "case": case_text(case), "rank": rank, "iterations": int(entered.shape[0]),
+                    "case": case.label, "rank": rank, "iterations": int(entered.shape[0]),
                     "last_pct": 100.0 * float(np.mean(last == column)),
                     "lateness_mean_us": float(np.mean(lateness)),
                     "lateness_p50_us": float(np.median(lateness)),
@@ -169,7 +147,7 @@ def peer_table(peers: pd.DataFrame) -> list[Section]:
             [str(int(src)), *(f"{value:.1f}" if value == value else "-" for value in matrix.loc[src])]
             for src in matrix.index
         ]
-        parts.append(Section(case_text(case), (Table(headers, body, text_columns={0}),), level=4))
+        parts.append(Section(case.label, (Table(headers, body, text_columns={0}),), level=4))
     return parts
 
 
@@ -222,7 +200,7 @@ def stacked_bars_figure(profile: pd.DataFrame) -> Any:
             values = table[step].to_numpy(dtype=float)
             axes.bar(table.index.astype(str), values, bottom=bottom, label=str(step), color=colors.get(step))
             bottom += values
-        axes.set_title(case_text(case), fontsize=9)
+        axes.set_title(case.label, fontsize=9)
         axes.set_xlabel("rank")
         axes.set_ylabel("p50 per iteration (us)")
         axes.legend(fontsize=6)

@@ -1,4 +1,4 @@
-"""A soak run judged: each case's drift from its first windows to its last (medians at each end), a gain
+"""A soak run judged: each case's drift from its first rounds to its last (medians at each end), a gain
 never a finding, and no soak elements for other runs."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ def soak_rows(busbw: list[float]) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "pattern": "balanced", "phase": "alltoall", "skew": None, "size_bytes": 1 << 30,
-            "window": range(len(busbw)), "soak_s": [10.0 * (i + 1) for i in range(len(busbw))],
+            "repeat": range(len(busbw)), "soak_s": [10.0 * (i + 1) for i in range(len(busbw))],
             "busbw_mean_GBps": busbw, "busbw_GBps": busbw,
         }
     )  # fmt: skip
@@ -29,17 +29,15 @@ def soak_rows(busbw: list[float]) -> pd.DataFrame:
         ([600, 600, 600, 560, 565, 562], "WARN"),  # 6.3% lost
         ([600, 600, 600, 520, 530, 525], "FAIL"),  # 12.5% lost
         ([500, 500, 500, 600, 600, 600], "PASS"),  # a gain is not a finding
-        ([600, 300, 600, 600, 300, 600], "PASS"),  # one bad window at each end is not a drift
+        ([600, 300, 600, 600, 300, 600], "PASS"),  # one bad round at each end is not a drift
     ],
 )
-def test_drift_between_the_first_and_last_windows_is_judged(busbw: list[float], status: str) -> None:
+def test_drift_between_the_first_and_last_rounds_is_judged(busbw: list[float], status: str) -> None:
     elements = soak_elements(soak_rows(busbw), GPU)
-    assert [(e.group, e.name, e.status) for e in elements] == [
-        ("soak", "balanced 1073741824 B alltoall drift", status)
-    ]
+    assert [(e.group, e.name, e.status) for e in elements] == [("soak", "balanced 1 GiB drift", status)]
 
 
-def test_drift_compares_medians_of_up_to_three_windows_at_each_end() -> None:
+def test_drift_compares_medians_of_up_to_three_rounds_at_each_end() -> None:
     assert drift_pct(pd.Series([100.0, 90.0])) == pytest.approx(10.0)
     assert drift_pct(pd.Series([100.0, 100.0, 100.0, 50.0, 80.0, 80.0])) == pytest.approx(20.0)
 

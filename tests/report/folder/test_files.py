@@ -264,9 +264,9 @@ def test_summary_has_link_class_and_skew_cost_tables(tmp_path: Path) -> None:
     writer = ReportWriter(out, meta, GB300)
     row = {
         **link_class_row(1000.0),
-        "balanced_size_bytes": 28_000_000,
-        "balanced_total_bytes": 112_000_000,
-        "balanced_time_us_p50": 500.0,
+        "uniform_ref_size_bytes": 28_000_000,
+        "uniform_ref_total_bytes": 112_000_000,
+        "uniform_ref_time_us_p50": 500.0,
     }
     writer.add([row])
     writer.finalize()

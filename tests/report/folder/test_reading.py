@@ -211,3 +211,47 @@ def test_text_cells_read_back_as_written(folder: Path) -> None:
     assert results["skew"].isna().tolist() == [True, False, False]  # the balanced row has no skew
     assert results["knobs"].tolist() == ["", "", ""] and results["wrong"].tolist() == [0, 0, 0]
     assert len(ranks) == 12
+
+
+def test_a_folder_with_the_earlier_column_names_reads_and_renders(tmp_path: Path) -> None:
+    """Folders written before the renames (the repeat index was "window", the imbalance-cost reference
+    "balanced_*") read back under the new names, so their repeats, skew cost and verdict come out alike."""
+    from commbench.report import read_report
+
+    out = tmp_path / "old"
+    reference = {"uniform_ref_total_bytes": 1_000_000, "uniform_ref_time_us_p50": 50.0}
+    rows = [balanced_row(4, 4096, 10.0 + r, repeat=r) for r in (0, 1)]
+    rows += [{**row, **reference} for row in skewed_rows(repeat=1)]
+    rank_rows = [{**rank_row, "repeat": 0} for rank_row in all_rank_rows(rows)]
+    ReportWriter(out, {"args": {}, "env": {}}, HGX).add(rows, rank_rows)
+    renames = {"repeat": "window", "uniform_ref_total_bytes": "balanced_total_bytes"}
+    renames["uniform_ref_time_us_p50"] = "balanced_time_us_p50"
+    for name in ("results.csv", "ranks.csv"):
+        text = (out / name).read_text().split("\n", 1)
+        header = ",".join(renames.get(column, column) for column in text[0].split(","))
+        assert header != text[0]
+        (out / name).write_text(f"{header}\n{text[1]}")
+    _, results, ranks = read_report(out)
+    assert results["repeat"].tolist() == [0, 1, 1, 1] and "window" not in results.columns
+    assert results["uniform_ref_time_us_p50"].tolist()[2:] == [50.0, 50.0]
+    assert not {"balanced_time_us_p50", "balanced_total_bytes"} & set(results.columns)
+    assert "repeat" in ranks.columns and "window" not in ranks.columns
+    result = _report(out)
+    assert result.exit_code == 0, result.output
+    summary = (out / "summary.md").read_text()
+    assert "Range over repeats" in summary and "uniform ref p50(us)" in summary
+
+
+def test_a_model_digest_of_digits_reads_back_as_text(tmp_path: Path) -> None:
+    from commbench.report import read_report
+    from commbench.run.case import Case
+
+    out = tmp_path / "run"
+    rows = [
+        {**row, "model_digest": digest}
+        for row, digest in zip(skewed_rows(), ("123456789012", "12e345678901"), strict=True)
+    ]
+    ReportWriter(out, {"args": {}, "env": {}}, HGX).add(rows)
+    _, results, _ = read_report(out)
+    assert results["model_digest"].tolist() == ["123456789012", "12e345678901"]
+    assert [Case.from_row(row) for row in results.to_dict("records")] == [Case.from_row(row) for row in rows]

@@ -141,7 +141,7 @@ def test_rerender_of_a_moe_run_keeps_its_data_files(tmp_path: Path) -> None:
     _run(out, *moe, "--ranks-per-domain", "1")
     results = pd.read_csv(out / "results.csv", keep_default_na=False)
     assert set(results["scaleout_bottleneck_dir"]) <= {"send", "recv"}
-    assert set(results["nvlink_bottleneck_dir"]) == {""} and (results["balanced_time_us_p50"] > 0).all()
+    assert set(results["nvlink_bottleneck_dir"]) == {""} and (results["uniform_ref_time_us_p50"] > 0).all()
     assert_rerender_keeps_the_data_files(out)
 
 

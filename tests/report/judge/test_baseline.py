@@ -17,7 +17,6 @@ from commbench.report.judge.baseline import (
     SCHEMA,
     baseline_cases,
     build_baseline,
-    case_key,
     case_of,
     check_out_file,
     read_baseline,
@@ -69,7 +68,7 @@ def test_median_and_robust_spread_over_runs_not_skewed_by_one_bad_run(tmp_path: 
     assert {run["backend"] for run in made["runs"]} == {"gloo"} and made["runs"][0]["world_size"] == 4
     assert made["runs"][0]["commbench_version"] == "0.1.0" and made["runs"][0]["date"] == "2026-01-01"
     entry = next(e for e in made["cases"] if e["case"]["size_bytes"] == 4096)
-    assert entry["runs"] == 3 and entry["windows"] == 3
+    assert entry["runs"] == 3 and entry["repeats"] == 3
     time = entry["figures"]["time_us"]
     assert time["median"] == 104.0 and time["min"] == 100.0 and time["max"] == 300.0 and time["mad"] == 4.0
     assert time["spread_pct"] == pytest.approx(100 * 3 * 1.4826 * 4 / 104)  # the 300 us run barely widens it
@@ -86,22 +85,23 @@ def test_cases_balanced_by_size_moe_by_tokens_skew_and_knobs(tmp_path: Path) -> 
     made = build_baseline(read_runs([make_folder(tmp_path, "a", 100.0)], True))
     labels = [entry["label"] for entry in made["cases"]]
     assert labels == [
-        "balanced alltoall 1024 B",
-        "balanced alltoall 4096 B",
-        "toy hot:1:0.5 dispatch 64 tok/rank",
-        "toy hot:1:0.5 combine 64 tok/rank",
+        "balanced 1 KiB",
+        "balanced 4 KiB",
+        "toy dispatch skew hot:1:0.5 64 tok/rank",
+        "toy combine skew hot:1:0.5 64 tok/rank",
     ]
     moe = made["cases"][2]
     assert moe["case"]["size_bytes"] is None and moe["size_bytes"] == [skewed_rows()[0]["size_bytes"]]
     assert moe["case"]["send_mode"] == "token" and moe["case"]["tokens_per_rank"] == 64
     one = made["cases"][0]["figures"]["time_us"]
-    assert one["n"] == 1 and one["spread_pct"] is None  # one window: spread unknown, never 0
+    assert one["n"] == 1 and one["spread_pct"] is None  # one measurement: spread unknown, never 0
     # knobs, timing and check are part of the case; an MoE row's size is not
     base = balanced_row(4, 4096, 10.0)
-    assert case_key(case_of({**base, "knobs": "num_blocks=8"})) != case_key(case_of({**base, "knobs": ""}))
-    assert case_key(case_of({**base, "timing": "window"})) != case_key(case_of(base))
+    assert case_of({**base, "knobs": "num_blocks=8"}).key != case_of({**base, "knobs": ""}).key
+    assert case_of({**base, "timing": "window"}).key != case_of(base).key
     moe_row = skewed_rows()[0]
-    assert case_key(case_of(moe_row)) == case_key(case_of({**moe_row, "size_bytes": 1}))
+    assert case_of(moe_row).key == case_of({**moe_row, "size_bytes": 1}).key
+    assert case_of(moe_row).key == case_of({**moe_row, "repeat": 2}).key  # the same case in every repeat
 
 
 def test_robust_spread() -> None:

@@ -77,7 +77,7 @@ def test_elements_drop_into_the_verdict(quiet: dict) -> None:
         == ELEMENT_FIELDS
         == ("group", "name", "status", "value", "limit", "unit", "message", "remedy")
     )
-    assert element["name"] == "balanced alltoall 4096 B busbw" and element["status"] == "FAIL"
+    assert element["name"] == "balanced 4 KiB busbw" and element["status"] == "FAIL"
     assert found.as_dict()["case"]["size_bytes"] == SIZE
 
 
@@ -122,9 +122,9 @@ def test_unmatched_cases_wrong_rows_and_raw_rows_are_skipped(quiet: dict) -> Non
     rows = [balanced_row(4, SIZE, 100.0, wrong=3), balanced_row(4, 8192, 100.0)]
     findings = compare_to_baseline(pd.DataFrame(rows), quiet)  # raw rows: bandwidths derived on the way
     by_name = {f.name: f for f in findings}
-    assert by_name["balanced alltoall 4096 B busbw"].status == "SKIP"
-    assert "#wrong 3" in by_name["balanced alltoall 4096 B busbw"].message
-    assert "baseline has no such case" in by_name["balanced alltoall 8192 B"].message
+    assert by_name["balanced 4 KiB busbw"].status == "SKIP"
+    assert "#wrong 3" in by_name["balanced 4 KiB busbw"].message
+    assert "baseline has no such case" in by_name["balanced 8 KiB"].message
     missing = [f for f in findings if "did not measure" in f.message]
     assert len(missing) == 3 and {f.status for f in missing} == {"SKIP"}  # 1024 B, dispatch, combine
     table = findings_markdown(findings)
@@ -158,10 +158,10 @@ def test_compare_runs_iteration_spread_and_cases_in_one_run_only(tmp_path: Path)
     assert "run-to-run spread is unknown" in text and "+30.0%" in text and "yes (iterations)" in text
 
 
-def test_compare_runs_with_repeated_windows_and_window_timing(tmp_path: Path) -> None:
+def test_compare_runs_with_repeats_and_window_timing(tmp_path: Path) -> None:
     def folder(name: str, times: list[float], timing: str | None = None):
         extra = {} if timing is None else {"timing": timing, "time_us_min": None, "time_us_p99": None}
-        rows = [balanced_row(4, SIZE, t, **extra) for t in times]  # the same case, one row per window
+        rows = [balanced_row(4, SIZE, t, repeat=i, **extra) for i, t in enumerate(times)]  # one per repeat
         if timing:
             rows = [{**r, "time_us_min": r["time_us_p50"], "time_us_p99": r["time_us_p50"]} for r in rows]
         ReportWriter(tmp_path / name, {"args": {}, "env": {}}, HGX).add(rows)
@@ -169,8 +169,8 @@ def test_compare_runs_with_repeated_windows_and_window_timing(tmp_path: Path) ->
 
     a, b = folder("a", [100.0, 101.0, 99.0]), folder("b", [103.0, 104.0, 102.0])
     entry = compare_runs(a, b)["cases"][0]
-    assert entry["a"]["windows"] == 3 and entry["spread_basis"] == "windows"
-    assert entry["beyond_spread"] is False  # 3% apart, each run's windows spread 4.4%
+    assert entry["a"]["repeats"] == 3 and entry["spread_basis"] == "repeats"
+    assert entry["beyond_spread"] is False  # 3% apart, each run's repeats spread 4.4%
     far = compare_runs(a, folder("c", [120.0, 121.0, 119.0]))["cases"][0]
     assert far["beyond_spread"] is True
     w1, w2 = folder("w1", [100.0], "window"), folder("w2", [150.0], "window")

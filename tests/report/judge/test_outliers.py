@@ -16,7 +16,7 @@ from commbench.report.judge.outliers import (
     confirm,
     find_outliers,
     needs_rerun,
-    spread_by_case,
+    outliers_by_case,
 )
 
 GPU_RULE = load_limits("gb300-nvl72").spread  # k 5, > 25%, > 10 us
@@ -127,7 +127,7 @@ def test_outcome_status_of_clean_and_skipped_cases():
     assert needs_rerun([_flagged(5)], SpreadRule(confirm_reruns=0)) == []
 
 
-def test_spread_by_case_over_rank_rows():
+def test_outliers_by_case_over_rank_rows():
     rows = []
     for size, slow in ((1 << 20, 6), (16 << 20, None)):
         for rank in range(8):
@@ -136,8 +136,8 @@ def test_spread_by_case_over_rank_rows():
                 {"pattern": "balanced", "phase": "alltoall", "size_bytes": size, "rank": rank, "late": late}
             )
     rows.append({"pattern": "balanced", "phase": "alltoall", "size_bytes": 1 << 20, "rank": 8, "late": None})
-    spreads = spread_by_case(pd.DataFrame(rows), "late", GPU_RULE, metric="arrival lateness")
+    spreads = outliers_by_case(pd.DataFrame(rows), "late", GPU_RULE, metric="arrival lateness")
     assert [s.case for s in spreads] == ["balanced 1 MiB", "balanced 16 MiB"]
     assert [f.rank for f in spreads[0].flags] == [6] and spreads[0].ranks == 8
     assert spreads[1].flags == () and spreads[0].metric == "arrival lateness"
-    assert spread_by_case(pd.DataFrame(rows), "absent", GPU_RULE) == []
+    assert outliers_by_case(pd.DataFrame(rows), "absent", GPU_RULE) == []

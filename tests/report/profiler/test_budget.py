@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 
 from commbench.fabric.budget import compute_time_us, expert_flops
@@ -7,6 +9,7 @@ from commbench.report.frame import results_frame
 from commbench.report.pages.render import Section, html_page, markdown_page
 from commbench.report.pages.tables import Table
 from commbench.report.profiler.budget import BUDGET_TITLE, BUSIEST_COLUMN, moe_budget
+from commbench.run.case import model_digest
 from tests.report.rows import balanced_row, skewed_rows
 
 # skewed_rows: pattern "toy", dispatch p50 100 us, combine p50 200 us: 300 us of all-to-all per layer.
@@ -40,7 +43,7 @@ def test_moe_case_table_ratio_and_verdict():
     lines = table.splitlines()
     assert lines[0].startswith("| case") and "comm/compute fwd" in lines[0]
     first = [cell.strip() for cell in lines[2].strip("|").split("|")]
-    assert first[0] == "toy hot:1:0.5 64 tok/rank token gloo" and first[1] == "1000"
+    assert first[0] == "toy skew hot:1:0.5 64 tok/rank" and first[1] == "1000"  # the layer's Case.label
     assert first[3] == "--tflops" and first[5] == "300.0" and first[6] == f"{COMPUTE_US:.1f}"
     assert first[7] == f"{300 / COMPUTE_US:.2f}" and first[8] == f"{2 * 300 / (3 * COMPUTE_US):.2f}"
     assert first[9] == "no / no"
@@ -56,10 +59,10 @@ def test_hidden_when_the_all_to_all_is_short():
     assert "yes / yes" in text and "training hides it" in text and "forward hides it" in text
 
 
-def test_windows_take_the_median_of_each_phase():
-    rows = skewed_rows(100.0, window=0, **{BUSIEST_COLUMN: SELECTIONS})
-    rows += skewed_rows(110.0, window=1, **{BUSIEST_COLUMN: SELECTIONS})
-    rows += skewed_rows(500.0, window=2, **{BUSIEST_COLUMN: SELECTIONS})
+def test_repeats_take_the_median_of_each_phase():
+    rows = skewed_rows(100.0, repeat=0, **{BUSIEST_COLUMN: SELECTIONS})
+    rows += skewed_rows(110.0, repeat=1, **{BUSIEST_COLUMN: SELECTIONS})
+    rows += skewed_rows(500.0, repeat=2, **{BUSIEST_COLUMN: SELECTIONS})
     text = _table_text(moe_budget(results_frame(rows, load_spec("hgx-h100")), TOY, tflops=500))
     assert "330.0" in text.splitlines()[1]  # median 110 + median 220
 
@@ -71,7 +74,7 @@ def test_selection_mode_reads_the_received_rows_without_the_column():
     frame = results_frame(rows, load_spec("hgx-h100"))
     text = _table_text(moe_budget(frame, TOY, tflops=500))
     # The busiest rank received 1,240,000 bytes in dispatch = 1,240 selection rows of 1,000 bytes.
-    assert text.splitlines()[1].split()[6] == "1240"
+    assert text.splitlines()[1].split()[7] == "1240"  # after "toy skew hot:1:0.5 64 tok/rank send selection"
     assert f"{expert_flops(TOY, 1240) / 1e9:.1f}" in text.splitlines()[1]
     assert compute_time_us(expert_flops(TOY, 1240), 500) == pytest.approx(COMPUTE_US * 1.24)
 
@@ -81,6 +84,10 @@ def test_what_is_missing_is_said():
     assert f"not computed: the rows have no {BUSIEST_COLUMN} column" in text
     other = _markdown(moe_budget(_frame(**{BUSIEST_COLUMN: 10}), load_model("deepseek-v3")))
     assert "not computed: model toy not given" in other
+    same_name = replace(TOY, hidden=TOY.hidden * 2)  # the rows' model digest tells it from the one measured
+    rows = [{**row, "model_digest": model_digest(TOY)} for row in skewed_rows(**{BUSIEST_COLUMN: 10})]
+    assert "not computed: model toy not given" in moe_budget(results_frame(rows), same_name)
+    assert "not computed" not in moe_budget(results_frame(rows), [same_name, TOY], tflops=500)
     bare = ModelConfig("toy", hidden=4096, num_experts=16, topk=4)
     assert "not computed: no moe_intermediate in model toy" in _markdown(
         moe_budget(_frame(**{BUSIEST_COLUMN: 10}), bare)
