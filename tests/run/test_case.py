@@ -118,7 +118,7 @@ def test_every_module_sees_the_same_cases() -> None:
     baseline = [case for case, _ in group_cases(frame).values()]
     measured = [case for case, _ in group_by_case(frame, repeat=True)]
     assert baseline == [case for case, _ in group_by_case(frame)]
-    table = repeat_range_table(frame, "markdown")
+    table = repeat_range_table(frame).markdown()
     assert table is not None and len([line for line in table.splitlines() if line.startswith("| ")]) == 1 + 6
     spreads = outliers_by_case(frame, "late", SpreadRule(), metric="arrival")
     assert [spread.case for spread in spreads] == [case.label for case in measured]

@@ -86,8 +86,8 @@ def test_what_is_missing_is_said():
     assert "not computed: model toy not given" in other
     same_name = replace(TOY, hidden=TOY.hidden * 2)  # the rows' model digest tells it from the one measured
     rows = [{**row, "model_digest": model_digest(TOY)} for row in skewed_rows(**{BUSIEST_COLUMN: 10})]
-    assert "not computed: model toy not given" in moe_budget(results_frame(rows), same_name)
-    assert "not computed" not in moe_budget(results_frame(rows), [same_name, TOY], tflops=500)
+    assert "not computed: model toy not given" in _markdown(moe_budget(results_frame(rows), same_name))
+    assert "not computed" not in _markdown(moe_budget(results_frame(rows), [same_name, TOY], tflops=500))
     bare = ModelConfig("toy", hidden=4096, num_experts=16, topk=4)
     assert "not computed: no moe_intermediate in model toy" in _markdown(
         moe_budget(_frame(**{BUSIEST_COLUMN: 10}), bare)
