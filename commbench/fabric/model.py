@@ -137,7 +137,10 @@ def make_fabric(
     system = load_spec(spec)
     per_domain = ranks_per_domain or system.gpus_per_domain
     per_host = ranks_per_host or math.gcd(per_domain, system.ranks_per_host)
-    layout = build_layout(world_size, ranks_per_domain=per_domain, ranks_per_host=per_host)
+    # The spec's own sizes may leave a partial last rack or host (a what-if of 300 GPUs on NVL72 racks); a
+    # size the user gave must divide the ranks.
+    from_spec = ranks_per_domain is None and ranks_per_host is None
+    layout = build_layout(world_size, per_domain, per_host, partial_last=from_spec)
     knobs = replace(params, **{k: v for k, v in overrides.items() if v is not None}) if params else None
     knobs = knobs or FabricParams.from_spec(system, **overrides)
     knobs.validate()

@@ -86,10 +86,10 @@ class Layout:
         }
 
 
-def _contiguous(world_size: int, per_group: int, what: str) -> np.ndarray:
+def _contiguous(world_size: int, per_group: int, what: str, partial_last: bool = False) -> np.ndarray:
     if per_group <= 0:
         raise UsageError(f"{what} must be a positive integer, got {per_group}")
-    if world_size > per_group and world_size % per_group:
+    if world_size > per_group and world_size % per_group and not partial_last:
         # Groups of unequal size (3 + 1 at world 4) are no machine anyone builds: refuse, do not guess. A
         # world inside one group (2 ranks of an 8-GPU domain) is a part of one machine: that is fine.
         fits = [str(n) for n in range(1, world_size + 1) if world_size % n == 0]
@@ -122,11 +122,14 @@ def build_layout(
     ranks_per_domain: int | None = None,
     ranks_per_host: int | None = None,
     discovered: Sequence[RankPlace | dict[str, Any]] | None = None,
+    partial_last: bool = False,
 ) -> Layout:
     """Hosts and domains of every rank.
 
     Overrides win over discovery: ``ranks_per_domain`` alone makes each domain one host (as on HGX servers);
     ``ranks_per_host`` alone keeps discovered (or a single) domain; both must nest (a host inside a domain).
+    An override that does not divide the ranks (3 + 1 at world 4) is refused unless ``partial_last``: a
+    what-if on a spec's machines (300 GPUs of 72-GPU racks: 4 full and one partial) may end in a partial one.
     """
     if world_size <= 0:
         raise UsageError(f"world size must be positive, got {world_size}")
@@ -140,13 +143,13 @@ def build_layout(
                 f"{ranks_per_host}; a host must sit inside one NVLink domain"
             )
         if ranks_per_domain is not None:
-            domains = _contiguous(world_size, ranks_per_domain, "--ranks-per-domain")
+            domains = _contiguous(world_size, ranks_per_domain, "--ranks-per-domain", partial_last)
         elif places is not None:
             domains = _dense_ids([p.domain_key for p in places])
         else:
             domains = np.zeros(world_size, dtype=np.int64)
         per_host = ranks_per_host if ranks_per_host is not None else ranks_per_domain
-        hosts = _contiguous(world_size, int(per_host), "--ranks-per-host")
+        hosts = _contiguous(world_size, int(per_host), "--ranks-per-host", partial_last)
         return Layout(domains, hosts, "override", tuple(places or ()))
     if places is not None:
         hosts = _dense_ids([p.host for p in places])

@@ -75,3 +75,10 @@ def test_layout_describe():
 def test_layout_arrays_are_int64():
     layout = build_layout(6, ranks_per_domain=2)
     assert layout.domain_of_rank.dtype == np.int64 and layout.host_of_rank.dtype == np.int64
+
+
+def test_a_what_if_on_a_specs_racks_may_end_in_a_partial_one_but_a_given_size_must_divide():
+    layout = build_layout(300, 72, 4, partial_last=True)  # 4 NVL72 racks and 12 GPUs of a fifth
+    assert layout.domain_sizes.tolist() == [72, 72, 72, 72, 12]
+    with pytest.raises(UsageError, match="--ranks-per-domain 72 does not divide the 300 ranks"):
+        build_layout(300, 72, 4)
