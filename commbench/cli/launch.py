@@ -169,7 +169,16 @@ def _finish_partial_report(
         return None
     meta_path = Path(out_dir) / "meta.json"
     reason = incomplete_reason(exc)
-    if reason is None or not meta_path.is_file():
+    if not meta_path.is_file():
+        return None
+    if reason is None:  # wrong data: the rows say so; the verdict must be there even if rank 0 was cut short
+        if not (Path(out_dir) / "verdict.json").is_file():
+            from commbench.report import render_folder
+
+            try:
+                render_folder(out_dir, judge=_judge(acceptance, exc))
+            except Exception as error:  # noqa: BLE001 - never mask the error that ended the run
+                click.echo(f"commbench: could not write the verdict of the run: {error}", err=True)
         return None
     try:
         meta = json.loads(meta_path.read_text())
