@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from commbench.errors import CommbenchError, CommError, StoppedError, signal_name
+from commbench.errors import CommbenchError, CommError, StoppedError, VerificationError, signal_name
 from commbench.run.comm import hang_bound_s, init_comm, shutdown_comm
 from commbench.run.heartbeats import Beat, SharedBoard, beat_interval_s, stale_after_s
 from commbench.run.liveness import (
@@ -51,6 +51,8 @@ from commbench.run.outcomes import OutcomeReader, RankFailure, check_temp_dir, s
 _STARTUP_BOUND_S = 120.0
 # After the first rank fails, how long the others get to report their own error before being stopped.
 _FAILURE_GRACE_S = 1.0
+# After ranks found wrong data, how long rank 0 gets to finish the report and its verdict on its own.
+_REPORT_GRACE_S = 60.0
 # After a stop signal, how long the ranks get (their own hard stop comes first) before they are killed.
 LAUNCHER_GRACE_S = 2 * STOP_GRACE_S + 1.0
 _POLL_S = 0.05
@@ -268,8 +270,11 @@ def _watch(
             return [rank for rank, code in enumerate(codes) if code != 0], []
         first_failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
         if first_failed:
-            # The others usually fail on their own within moments (peer closed): let them report why.
-            deadline = time.monotonic() + _FAILURE_GRACE_S
+            # The others usually fail on their own within moments (peer closed): let them report why. Wrong
+            # data (exit 3) is found by every rank at once, and rank 0 is then writing the verdict: give it
+            # the time that takes (its progress beats keep the hang bound away) rather than cut it short.
+            wrong_data = all(codes[rank] == VerificationError.exit_code for rank in first_failed)
+            deadline = time.monotonic() + (_REPORT_GRACE_S if wrong_data else _FAILURE_GRACE_S)
             while time.monotonic() < deadline and any(p.exitcode is None for p in processes):
                 time.sleep(_POLL_S)
             return first_failed, []
