@@ -18,8 +18,10 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from commbench.report.judge.verdict import Verdict, read_verdict_json
+if TYPE_CHECKING:  # (tests/conftest.py imports this module: every session, so it stays light)
+    from commbench.report.judge.verdict import Verdict
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 # Verdict groups judged on measured times (a busy host can flag them); the others judge data and completion.
@@ -56,6 +58,8 @@ class Launch:
         return self.stdout.strip().splitlines()[-1]
 
     def verdict(self) -> Verdict:
+        from commbench.report.judge.verdict import read_verdict_json
+
         return read_verdict_json(self.out / "verdict.json")
 
 
