@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 import commbench
+from commbench.report.judge.verdict import read_verdict_json
+from tests.launches import not_failed_by_data_or_completion
 
 PLUGIN_SOURCES = Path(__file__).parent / "fakes" / "plugin"
 REPO = Path(commbench.__file__).resolve().parents[1]
@@ -130,7 +132,8 @@ def test_a_plugin_runs_verified_on_gloo_with_its_knobs_in_the_rows(plugin_python
         "--out",
         str(out),
     )
-    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert ran.returncode in (0, 1), ran.stdout + ran.stderr  # 1: a busy host's straggler (timing only)
+    not_failed_by_data_or_completion(read_verdict_json(out / "verdict.json"))
     with open(out / "results.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert {row["phase"] for row in rows} >= {"dispatch", "combine"}

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +16,14 @@ from commbench.cli.inputs import balanced_sizes
 from commbench.cli.launch import default_out_dir
 from commbench.errors import UsageError
 from commbench.run.config import meta_values
+from tests.launches import (
+    BALANCED_SIZES,
+    SMALL_MODEL,
+    Launch,
+    copy_of,
+    launch,
+    not_failed_by_data_or_completion,
+)
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 REPORT_FILES = (
@@ -30,14 +35,6 @@ REPORT_FILES = (
     "summary.md",
     "report.html",
 )
-
-SMALL_MODEL = """\
-name: small
-hidden: 64
-num_experts: 8
-topk: 2
-dispatch_dtype: bf16
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -352,39 +349,27 @@ def test_pattern_statistics_and_json(small_model: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# End to end: real processes on gloo
+# End to end: real processes on gloo (the session's shared MoE run, tests/launches.py; the sweep, once here)
 
 
-def run_commbench(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    return subprocess.run(
-        [sys.executable, "-m", "commbench", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def test_end_to_end_run_and_report(tmp_path: Path, small_model: Path) -> None:
-    out = tmp_path / "run"
-    args = ["run", "--model", str(small_model), "--skew", "zipf:1.2", "--tokens", "32"]
-    args += ["--backend", "gloo", "--world-size", "2", "--warmup", "1", "--iters", "3", "--out", str(out)]
-    # Two domains of one rank each: every link byte is scale-out, compared with gb200's 400 Gb/s NIC.
-    args += ["--spec", "gb200-nvl72", "--ranks-per-domain", "1", "--imbalance-cost"]
-    done = run_commbench(args, tmp_path)
-    assert done.returncode == 0, done.stderr
+def test_end_to_end_run_writes_every_file_and_prints_the_tables(moe_run: Launch) -> None:
+    out, verdict = moe_run.out, moe_run.verdict()
+    not_failed_by_data_or_completion(verdict)
+    assert moe_run.returncode == verdict.exit_code
     for name in REPORT_FILES:
         assert (out / name).is_file(), name
-    assert "# MoE phases:" in done.stdout and "Avg bus bandwidth" not in done.stdout
-    assert done.stdout.strip().splitlines()[-1].endswith(f"report: {out}")  # the verdict line, last
-    assert "[1/2] small zipf:1.2 dispatch" in done.stderr and "[2/2]" in done.stderr
+    assert "# MoE phases:" in moe_run.stdout and "Avg bus bandwidth" not in moe_run.stdout
+    assert moe_run.last_line().endswith(f"report: {out}")  # the verdict line, last
+    assert "[1/2] small zipf:1.2 dispatch" in moe_run.stderr and "[2/2]" in moe_run.stderr
 
+
+def test_end_to_end_rows_carry_the_layout_the_spec_and_the_skew_cost(moe_run: Launch) -> None:
+    out = moe_run.out
     results = pd.read_csv(out / "results.csv")
     assert results["phase"].tolist() == ["dispatch", "combine"]
     assert (results["wrong"] == 0).all()
     assert (results["backend"] == "gloo").all()
+    # Two domains of one rank each: every link byte is scale-out, compared with gb200's 400 Gb/s NIC.
     assert (results["nvlink_bytes"] == 0).all() and (results["scaleout_bytes"] == results["link_bytes"]).all()
     assert (results["scaleout_spec_GBps"] == 50.0).all() and (results["nvlink_spec_GBps"] == 900.0).all()
     assert (results["spec_name"] == "gb200-nvl72").all() and (results["layout_source"] == "override").all()
@@ -395,6 +380,11 @@ def test_end_to_end_run_and_report(tmp_path: Path, small_model: Path) -> None:
     assert len(ranks) == 4  # 2 ranks x 2 phases
     assert ranks["domain"].tolist() == [0, 1, 0, 1]
     assert (ranks["scaleout_sent_bytes"] == ranks["sent_bytes"] - ranks["self_bytes"]).all()
+    assert json.loads((out / "results.json").read_text())["results"][0]["wrong"] == 0
+
+
+def test_end_to_end_meta_and_summary(moe_run: Launch) -> None:
+    out = moe_run.out
     meta = json.loads((out / "meta.json").read_text())
     assert meta_values(meta)["world_size"] == 2 and meta["env"]["versions"]["torch"]
     assert meta["spec"]["nic_GBps_per_direction"] == 50.0 and meta["system_spec"]["name"] == "gb200-nvl72"
@@ -402,8 +392,10 @@ def test_end_to_end_run_and_report(tmp_path: Path, small_model: Path) -> None:
     summary = (out / "summary.md").read_text()
     assert "## By link class" in summary and "## What skew costs" in summary
     assert "Topology: 2 ranks in NVLink domains of 2 x 1 ranks" in summary
-    assert json.loads((out / "results.json").read_text())["results"][0]["wrong"] == 0
 
+
+def test_report_renders_the_pages_again_from_results_csv(moe_run: Launch, tmp_path: Path) -> None:
+    out = copy_of(moe_run, tmp_path / "run")
     for name in ("results.parquet", "results.json", "summary.md", "report.html"):
         (out / name).unlink()
     again = invoke(["report", str(out)])
@@ -414,39 +406,48 @@ def test_end_to_end_run_and_report(tmp_path: Path, small_model: Path) -> None:
     assert "## What skew costs" in (out / "summary.md").read_text()  # re-rendered from results.csv
 
 
-def test_backend_option_sweep_in_one_launch(tmp_path: Path, small_model: Path) -> None:
-    # 2 x 2 knob settings of the put/signal protocol (CPU emulator), each dispatch + combine verified.
-    out = tmp_path / "sweep"
-    args = ["run", "--model", str(small_model), "--tokens", "32", "--backend", "shmem-emu", "--world-size"]
-    args += ["2", "--backend-option", "chunk_rows=4,16", "--backend-option", "signal=chunk,segment"]
-    args += ["--backend-option", "signal_op=add", "--warmup", "1", "--iters", "2", "--out", str(out)]
-    done = run_commbench(args, tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert "4 knob settings (chunk_rows=4,16 x signal=chunk,segment)" in done.stderr
-    assert "[1/8] small uniform dispatch [chunk_rows=4 signal=chunk]:" in done.stderr
-    assert "[8/8] small uniform combine [chunk_rows=16 signal=segment]:" in done.stderr
-    results = pd.read_csv(out / "results.csv")
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """2 x 2 knob settings of the put/signal protocol (CPU emulator) in one launch, each dispatch + combine
+    verified."""
+    root = tmp_path_factory.mktemp("sweep")
+    (root / "small.yaml").write_text(SMALL_MODEL)
+    args = ["run", "--model", str(root / "small.yaml"), "--tokens", "32", "--backend", "shmem-emu"]
+    args += ["--world-size", "2", "--backend-option", "chunk_rows=4,16", "--backend-option"]
+    args += ["signal=chunk,segment", "--backend-option", "signal_op=add", "--warmup", "1", "--iters", "2"]
+    return launch(args, root, "sweep", codes=(0, 1))
+
+
+def test_backend_option_sweep_runs_every_setting_in_one_launch(sweep: Launch) -> None:
+    not_failed_by_data_or_completion(sweep.verdict())
+    assert "4 knob settings (chunk_rows=4,16 x signal=chunk,segment)" in sweep.stderr
+    assert "[1/8] small uniform dispatch [chunk_rows=4 signal=chunk]:" in sweep.stderr
+    assert "[8/8] small uniform combine [chunk_rows=16 signal=segment]:" in sweep.stderr
+    results = pd.read_csv(sweep.out / "results.csv")
     assert results["phase"].tolist() == ["dispatch", "combine"] * 4
     assert (results["wrong"] == 0).all() and (results["signal_op"] == "add").all()
     assert results["chunk_rows"].tolist() == [4, 4, 4, 4, 16, 16, 16, 16]
     assert results["signal"].tolist() == ["chunk", "chunk", "segment", "segment"] * 2
     assert results["knobs"].nunique() == 4
     assert results["knobs"][0] == "chunk_rows=4 signal=chunk signal_op=add"
-    assert set(pd.read_csv(out / "ranks.csv")["knobs"]) == set(results["knobs"])
-    # Tables show the knobs that vary (not signal_op): stdout's last column, summary's after the backend.
-    header = next(line for line in done.stdout.splitlines() if line.startswith("# pattern"))
-    assert header.split()[-1] == "knobs"
-    assert done.stdout.count("chunk_rows=16 signal=segment") == 2
-    summary = (out / "summary.md").read_text()
-    assert "| knobs " in summary and summary.count("| chunk_rows=4 signal=segment ") >= 2
-    assert "signal_op=add" not in summary.split("## Results")[1].split("## Environment")[0]
-    meta = json.loads((out / "meta.json").read_text())
+    assert set(pd.read_csv(sweep.out / "ranks.csv")["knobs"]) == set(results["knobs"])
+    meta = json.loads((sweep.out / "meta.json").read_text())
     assert meta_values(meta)["backend_options"] == {
         "signal_op": "add",
         "chunk_rows": [4, 16],
         "signal": ["chunk", "segment"],
     }
     assert meta_values(meta)["knob_settings"] == 4
+
+
+def test_backend_option_sweep_tables_show_the_knobs_that_vary(sweep: Launch) -> None:
+    # Tables show the knobs that vary (not signal_op): stdout's last column, summary's after the backend.
+    header = next(line for line in sweep.stdout.splitlines() if line.startswith("# pattern"))
+    assert header.split()[-1] == "knobs"
+    assert sweep.stdout.count("chunk_rows=16 signal=segment") == 2
+    summary = (sweep.out / "summary.md").read_text()
+    assert "| knobs " in summary and summary.count("| chunk_rows=4 signal=segment ") >= 2
+    assert "signal_op=add" not in summary.split("## Results")[1].split("## Environment")[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -487,6 +488,13 @@ def test_balanced_with_corruption_exits_3_and_keeps_report(
     for name in REPORT_FILES:  # the partial report is still rendered
         assert (out / name).is_file(), name
     assert "Total #wrong" in result.stdout and "DATA MISMATCH" in result.stdout
+    # The verdict of wrong data (as on gloo: tests/cli/test_acceptance.py): FAIL, exit 3, a data element.
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["status"] == "FAIL" and verdict["exit_code"] == 3
+    assert any(e["group"] == "data" and e["status"] == "FAIL" for e in verdict["elements"])
+    assert (out / "junit.xml").is_file() and result.stdout.strip().splitlines()[-1].startswith(
+        "commbench verdict: FAIL"
+    )
 
 
 def test_suite_runs_every_case_in_one_launch(tmp_path: Path, thread_ranks: None) -> None:
@@ -565,16 +573,14 @@ def test_timing_defaults_per_kind_and_meta_args(tmp_path: Path, thread_ranks: No
     assert rows["timing"].tolist() == ["window"] * 2 and args["timing"] == "window"
 
 
-def test_gloo_window_timing_detects_a_corrupted_output(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    args = ["run", "--pattern", "balanced", "--min-bytes", "1K", "--max-bytes", "1K", "--backend", "gloo"]
-    args += ["--world-size", "2", "--warmup", "1", "--iters", "5", "--timing", "window"]
-    args += ["--corrupt", "dispatch"]
-    done = run_commbench([*args, "--out", str(out)], tmp_path)
-    assert done.returncode == 3, done.stderr
-    assert "#wrong=1 bytes in the last of 5 back-to-back timed iterations" in done.stderr
-    results = pd.read_csv(out / "results.csv")
-    assert results[["timing", "check", "wrong"]].values.tolist() == [["window", "window-last", 1]]
+def test_gloo_window_timing_detects_a_corrupted_output(corrupt_run: Launch) -> None:
+    # The shared BALANCED run: window timing (the default of a balanced sweep), 5 timed iterations.
+    assert corrupt_run.returncode == 3, corrupt_run.stderr[-2000:]
+    assert "#wrong=1 bytes in the last of 5 back-to-back timed iterations" in corrupt_run.stderr
+    results = pd.read_csv(corrupt_run.out / "results.csv")
+    assert results[["timing", "check", "wrong"]].values.tolist() == [["window", "window-last", 1]] * len(
+        BALANCED_SIZES
+    )
 
 
 def test_pattern_routes_on_one_cpu_thread_unless_omp_num_threads_says(

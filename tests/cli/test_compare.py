@@ -4,10 +4,7 @@ with exit codes, Markdown and JSON, and bad input refused in one line (exit 2, n
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +13,9 @@ import pytest
 from click.testing import CliRunner
 
 from commbench.cli import cli
+from tests.launches import launch
 from tests.report.judge.test_baseline import make_folder
 
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 SIZES = [1024, 2048, 4096]
 TIME_COLUMNS = ("time_us_min", "time_us_p50", "time_us_p99", "time_us_mean")
 
@@ -27,22 +24,10 @@ TIME_COLUMNS = ("time_us_min", "time_us_p50", "time_us_p99", "time_us_mean")
 def real_runs(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
     """Two real 2-rank gloo runs of a small balanced sweep (a few seconds each, made once)."""
     root = tmp_path_factory.mktemp("runs")
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    folders = []
-    for name in ("r1", "r2"):
-        args = ["run", "--pattern", "balanced", "--world-size", "2", "--backend", "gloo"]
-        args += ["--min-bytes", "1K", "--max-bytes", "4K", "--iters", "3", "--warmup", "1", "--out", name]
-        done = subprocess.run(
-            [sys.executable, "-m", "commbench", *args],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr
-        folders.append(root / name)
-    return folders
+    args = ["run", "--pattern", "balanced", "--world-size", "2", "--backend", "gloo"]
+    args += ["--min-bytes", "1K", "--max-bytes", "4K", "--iters", "3", "--warmup", "1"]
+    # Exit 1 allowed: a busy host's straggler flagged by the verdict (a timing check; baselines take it).
+    return [launch(args, root, name, codes=(0, 1)).out for name in ("r1", "r2")]
 
 
 def invoke(*args: object):

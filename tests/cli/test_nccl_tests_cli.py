@@ -4,10 +4,7 @@ printed, the run still verified; an existing file, a balanced sweep or a refused
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +14,9 @@ from click.testing import CliRunner
 
 from commbench.cli import cli
 from commbench.report.interop.nccl_tests_export import moved_bytes, read_matrix_file
+from tests.launches import SMALL_MODEL, Launch
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-# hidden 64, BF16: 128-byte rows, a multiple of 16, so nccl-tests moves exactly the pattern's bytes.
-SMALL_MODEL = "name: small\nhidden: 64\nnum_experts: 8\ntopk: 2\ndispatch_dtype: bf16\n"
 
 
 @pytest.fixture(autouse=True)
@@ -144,29 +140,18 @@ def test_a_launch_refused_after_the_export_removes_the_files(tmp_path: Path, sma
     assert (out / "results.csv").read_text() == "someone else's\n"
 
 
-def test_run_on_gloo_writes_the_files_and_still_runs_verified(tmp_path: Path, small_model: Path) -> None:
-    out, target = tmp_path / "run", tmp_path / "moe.txt"
-    args = ["run", "--model", str(small_model), "--skew", "zipf:1.2", "--tokens", "32", "--world-size", "4"]
-    args += ["--backend", "gloo", "--warmup", "1", "--iters", "3", "--out", str(out)]
-    env = {key: value for key, value in os.environ.items() if key not in TORCHRUN_VARIABLES}
-    done = subprocess.run(
-        [sys.executable, "-m", "commbench", *args, "--nccl-tests-matrix", str(target)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    commands = commands_in(done.stderr)
-    combine = tmp_path / "moe.combine.txt"
+def test_run_on_gloo_writes_the_files_and_still_runs_verified(moe_run: Launch) -> None:
+    # The session's shared MoE run (tests/launches.py): --nccl-tests-matrix <its folder>/moe.txt.
+    target, combine = moe_run.cwd / "moe.txt", moe_run.cwd / "moe.combine.txt"
+    commands = commands_in(moe_run.stderr)
     assert set(commands) == {str(target), str(combine)}
-    results = pd.read_csv(out / "results.csv").set_index("phase")
+    results = pd.read_csv(moe_run.out / "results.csv").set_index("phase")
     assert (results["wrong"] == 0).all()
     for phase, path in (("dispatch", target), ("combine", combine)):
         argv = commands[str(path)]
+        assert argv[:4] == ["mpirun", "-np", "2", "env"]
         assert flag(argv, "-n") == "3" and flag(argv, "-w") == "1"  # the run's --iters / --warmup
-        moved = moved_bytes(read_matrix_file(path), 4)
+        moved = moved_bytes(read_matrix_file(path), 2)
         # The run moved the pattern the file holds: nccl-tests' size column equals the run's size(B).
         size = max(moved.sum(0).max(), moved.sum(1).max())
         assert int(flag(argv, "-b")) == size == results.loc[phase, "size_bytes"]

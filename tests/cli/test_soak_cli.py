@@ -7,22 +7,24 @@ import csv
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from commbench.cli import cli
 from commbench.report.judge.verdict import read_verdict_json
-from tests.cli.test_acceptance import commbench, last_line
+from tests.launches import launch, not_failed_by_data_or_completion
 
 SOAK = ["suite", "--quick", "--world-size", "4", "--backend", "gloo", "--no-pairwise", "--skew", "zipf:1.2"]
 
 
 def test_a_short_soak_repeats_the_cases_and_judges_their_drift(tmp_path: Path) -> None:
-    out = tmp_path / "soak"
     # gloo rounds of a few seconds on 2 shared cores swing by 2x: the drift rule itself is tested on fixed
-    # figures (tests/report/analysis/test_soak.py); here its limits are opened so that only the run's shape
-    # is checked.
+    # figures (tests/report/analysis/test_soak.py); here its limits are opened and only the run's shape is
+    # checked (its timing checks may flag a busy host's straggler: exit 1 allowed, never for data or
+    # completion).
     limits = ["--limit", "soak.drift_warn_pct=99", "--limit", "soak.drift_fail_pct=100"]
-    result = commbench([*SOAK, "--soak", "4s", *limits, "--out", str(out)], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert last_line(result).startswith("commbench verdict: PASS")
+    run = launch([*SOAK, "--soak", "4s", *limits], tmp_path, "soak", codes=(0, 1))
+    out = run.out
+    not_failed_by_data_or_completion(run.verdict())
     rows = list(csv.DictReader((out / "results.csv").open()))
     rounds = {int(row["repeat"]) for row in rows}  # each soak round is a repeat of its case
     assert len(rounds) >= 2 and len(rows) == 3 * len(rounds)  # one balanced size + dispatch + combine
@@ -31,7 +33,7 @@ def test_a_short_soak_repeats_the_cases_and_judges_their_drift(tmp_path: Path) -
     assert times == sorted(times) and times[0] > 0
     verdict = read_verdict_json(out / "verdict.json")
     drift = [e for e in verdict.elements if e.group == "soak"]
-    assert len(drift) == 3 and all(e.name.endswith("drift") and e.status == "PASS" for e in drift)
+    assert len(drift) == 3 and all(e.name.endswith("drift") and e.status != "SKIP" for e in drift)
     assert "Soak: bandwidth per round over time" in (out / "report.html").read_text()
 
 
@@ -46,6 +48,6 @@ def test_a_short_soak_repeats_the_cases_and_judges_their_drift(tmp_path: Path) -
 )
 def test_bad_soak_input_is_refused_before_launch(tmp_path: Path, args: list[str], words: str) -> None:
     out = tmp_path / "bad"
-    result = commbench([*SOAK, *args, "--out", str(out)], tmp_path)
-    assert result.returncode == 2 and words in result.stderr and "Traceback" not in result.stderr
+    result = CliRunner().invoke(cli, [*SOAK, *args, "--out", str(out)])
+    assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.output
     assert not out.exists()

@@ -199,7 +199,7 @@ def _waited_for(message):
     return set(map(int, re.findall(r"waiting for rank (\d+) \(", message)))
 
 
-@pytest.mark.parametrize("victim", [0, 1, 3])
+@pytest.mark.parametrize("victim", [0, 3])  # the rank that writes the report, and another (the last)
 def test_spawned_run_names_the_rank_stopped_with_sigstop(tmp_path, victim):
     start = time.monotonic()
     with pytest.raises(CommError) as info:

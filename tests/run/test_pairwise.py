@@ -78,30 +78,38 @@ def _times(rows: list[dict[str, Any]]) -> dict[tuple[str, int, int], float]:
     return {(row["test"], row["src"], row["dst"]): row["time_us"] for row in rows}
 
 
-def test_every_ordered_pair_is_measured_and_checked_on_gloo() -> None:
-    rows = launch(4, _measure, ((), None), "gloo", 120)
-    keys = sorted((row["test"], row["src"], row["dst"]) for row in rows)
-    expected = [
-        (t, a, b) for t in ("bandwidth", "bidir", "latency") for a in range(4) for b in range(4) if a != b
-    ]
+SLOW, CORRUPTED = (1, 2), (3, 0)  # the planted slow direction and the pair whose bytes are flipped
+TESTS = ("latency", "bandwidth", "bidir")
+
+
+@pytest.fixture(scope="module")
+def faulty_rows() -> list[dict[str, Any]]:
+    """One 4-rank launch with both faults planted on different pairs: SLOW's sender sleeps DELAY_S before
+    each send, and rank 0 sees a byte of every message from rank 3 flipped after it arrived."""
+    return launch(4, _measure, (((*SLOW, DELAY_S),), CORRUPTED), "gloo", 120)
+
+
+def test_every_ordered_pair_is_measured_and_checked_on_gloo(faulty_rows: list[dict[str, Any]]) -> None:
+    keys = sorted((row["test"], row["src"], row["dst"]) for row in faulty_rows)
+    expected = [(t, a, b) for t in TESTS for a in range(4) for b in range(4) if a != b]
     assert keys == sorted(expected)
-    assert all(row["wrong"] == 0 and row["time_us"] > 0 for row in rows)
-    assert {row["size_bytes"] for row in rows if row["test"] == "latency"} == {8}
-    assert {row["size_bytes"] for row in rows if row["test"] != "latency"} == {64 << 10}
+    assert all(row["time_us"] > 0 for row in faulty_rows)
+    assert all(row["wrong"] == 0 for row in faulty_rows if (row["src"], row["dst"]) != CORRUPTED)
+    assert {row["size_bytes"] for row in faulty_rows if row["test"] == "latency"} == {8}
+    assert {row["size_bytes"] for row in faulty_rows if row["test"] != "latency"} == {64 << 10}
 
 
-@pytest.mark.parametrize(("src", "dst"), [(1, 2), (2, 1)])
-def test_an_injected_pair_delay_slows_exactly_that_direction(src: int, dst: int) -> None:
-    rows = launch(4, _measure, (((src, dst, DELAY_S),), None), "gloo", 120)
-    times = _times(rows)
+def test_an_injected_pair_delay_slows_exactly_that_direction(faulty_rows: list[dict[str, Any]]) -> None:
+    times = _times(faulty_rows)
     slow = {key for key, time_us in times.items() if time_us >= DELAY_S * 1e6}
-    assert slow == {(test, src, dst) for test in ("latency", "bandwidth", "bidir")}, times
+    assert slow == {(test, *SLOW) for test in TESTS}, times  # not the reverse direction, nor another pair
 
 
-def test_bytes_corrupted_below_commbench_are_counted_on_that_pair_only() -> None:
-    rows = launch(4, _measure, ((), (3, 0)), "gloo", 120)
-    wrong = {(row["test"], row["src"], row["dst"]): row["wrong"] for row in rows if row["wrong"]}
-    assert set(wrong) == {("latency", 3, 0), ("bandwidth", 3, 0), ("bidir", 3, 0)}
+def test_bytes_corrupted_below_commbench_are_counted_on_that_pair_only(
+    faulty_rows: list[dict[str, Any]],
+) -> None:
+    wrong = {(row["test"], row["src"], row["dst"]): row["wrong"] for row in faulty_rows if row["wrong"]}
+    assert set(wrong) == {(test, *CORRUPTED) for test in TESTS}
     assert all(count == 3 for count in wrong.values()), wrong  # one byte in each of the 3 timed windows
 
 

@@ -110,23 +110,36 @@ def test_a_dispatch_that_moves_nothing_is_caught_by_the_poisoned_buffers():
         assert outcome["rows_wrong"][0] == 0 and outcome["rows_wrong"][1] > 0
 
 
-def _refusal_entry(comm, mode, model, send_mode):
-    fake.install(hybrid=False)
-    cfg = routing(comm.world_size, model, "uniform")
-    drive(comm, DeepEpBackend, {"mode": mode}, cfg, send_mode)
+REFUSALS = [
+    ("normal", FP8, "selection", "sends a token once per destination rank: use --send-mode token"),
+    ("low_latency", FP8, "selection", "moves BF16 tokens of one hidden size both ways"),
+    ("hybrid", BF16, "token", "needs Hybrid-EP, which the installed deep_ep does not have"),
+]
 
 
-@pytest.mark.parametrize(
-    ("mode", "model", "send_mode", "message"),
-    [
-        ("normal", FP8, "selection", "sends a token once per destination rank: use --send-mode token"),
-        ("low_latency", FP8, "selection", "moves BF16 tokens of one hidden size both ways"),
-        ("hybrid", BF16, "token", "needs Hybrid-EP, which the installed deep_ep does not have"),
-    ],
-)
-def test_a_mapping_the_library_cannot_run_is_one_usage_error(mode, model, send_mode, message):
-    with pytest.raises(UsageError, match=message):
-        dist.launch(2, _refusal_entry, (mode, model, send_mode), process_group="gloo", timeout_s=TIMEOUT_S)
+def _refusals_entry(comm, cases):
+    """Every mapping of ``cases`` driven in turn on each rank: the error each one ends with (None: none)."""
+    errors = []
+    for mode, model, send_mode, _ in cases:
+        fake.install(hybrid=False)
+        try:
+            drive(comm, DeepEpBackend, {"mode": mode}, routing(comm.world_size, model, "uniform"), send_mode)
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test reads the class and the message
+            errors.append((type(exc), str(exc)))
+    return errors
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    """One 2-rank launch trying every mapping of REFUSALS (rank 0's errors)."""
+    return dist.launch(2, _refusals_entry, (REFUSALS,), process_group="gloo", timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize(("index", "message"), [(i, case[3]) for i, case in enumerate(REFUSALS)])
+def test_a_mapping_the_library_cannot_run_is_one_usage_error(refusals, index, message):
+    error_class, text = refusals[index]
+    assert issubclass(error_class, UsageError) and message in text, refusals[index]
 
 
 def test_availability_names_the_library_then_the_gpus():

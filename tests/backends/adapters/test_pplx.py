@@ -63,12 +63,32 @@ def test_a_dispatch_that_writes_nothing_leaves_the_sentinel_and_is_caught():
         assert outcome["rows_wrong"][0] == 0 and outcome["rows_wrong"][1] > 0
 
 
-def _refusal_entry(comm, send_mode, mask_ratio):
-    fake.install()
-    drive(comm, PplxBackend, {}, routing(comm.world_size, FP8, "uniform", mask_ratio=mask_ratio), send_mode)
+REFUSALS = [("token", 0.0), ("selection", 0.2)]
 
 
-@pytest.mark.parametrize(("send_mode", "mask_ratio"), [("token", 0.0), ("selection", 0.2)])
-def test_tokens_with_fewer_rows_than_experts_per_token_are_refused(send_mode, mask_ratio):
-    with pytest.raises(UsageError, match="pplx-kernels sends every token to exactly experts_per_token"):
-        dist.launch(2, _refusal_entry, (send_mode, mask_ratio), process_group="gloo", timeout_s=TIMEOUT_S)
+def _refusals_entry(comm, cases):
+    """Every (send mode, mask ratio) of ``cases`` driven in turn on each rank: the error each one ends with
+    (None: none)."""
+    errors = []
+    for send_mode, mask_ratio in cases:
+        fake.install()
+        cfg = routing(comm.world_size, FP8, "uniform", mask_ratio=mask_ratio)
+        try:
+            drive(comm, PplxBackend, {}, cfg, send_mode)
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test reads the class and the message
+            errors.append((type(exc), str(exc)))
+    return errors
+
+
+@pytest.fixture(scope="module")
+def refusals():
+    """One 2-rank launch trying every case of REFUSALS (rank 0's errors)."""
+    return dist.launch(2, _refusals_entry, (REFUSALS,), process_group="gloo", timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("index", range(len(REFUSALS)), ids=[f"{m}-{r}" for m, r in REFUSALS])
+def test_tokens_with_fewer_rows_than_experts_per_token_are_refused(refusals, index):
+    error_class, text = refusals[index]
+    assert issubclass(error_class, UsageError), refusals[index]
+    assert "pplx-kernels sends every token to exactly experts_per_token" in text
