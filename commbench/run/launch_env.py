@@ -160,12 +160,14 @@ def in_srun_step(environ: Mapping[str, str]) -> bool:
     return any(name in environ for name in _STEP_ID_VARIABLES)
 
 
-def _integer(environ: Mapping[str, str], name: str, minimum: int = 0, maximum: int = 1 << 31) -> int:
+def _integer(environ: Mapping[str, str], name: str, minimum: int = 0, maximum: int | None = None) -> int:
     text = environ[name].strip()
+    top = (1 << 31) if maximum is None else maximum
     # ASCII digits only: str.isdigit() takes "²" and "①", which int() then refuses.
-    if not (text.isascii() and text.isdigit()) or len(text) > 10 or not minimum <= int(text) <= maximum:
+    if not (text.isascii() and text.isdigit()) or len(text) > 10 or not minimum <= int(text) <= top:
         whose = "Slurm's " if name.startswith("SLURM_") else ""
-        raise UsageError(f"{whose}{name}={environ[name]!r} is not a whole number in {minimum}..{maximum}")
+        wanted = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise UsageError(f"{whose}{name}={environ[name]!r} is not a whole number {wanted}")
     return int(text)
 
 

@@ -77,9 +77,8 @@ def test_an_injected_slow_rank_is_named_confirmed_and_fails(slow_rank_run: Launc
     failures = junit.findall(".//failure")
     assert len(failures) == len(failed)
     meta = json.loads((out / "meta.json").read_text())
-    assert meta_values(meta)["inject_delay_us"] == {
-        str(SLOW_RANK): float(SLOW_RANK_US)
-    }  # the fault is on record
+    planted = [{"src": SLOW_RANK, "dst": None, "seconds": SLOW_RANK_US / 1e6}]
+    assert meta_values(meta)["inject_delay"] == planted  # the fault is on record
 
 
 def test_wrong_data_fails_with_exit_3_and_a_data_element(corrupt_run: Launch) -> None:
