@@ -61,6 +61,7 @@ def run_pattern(config: RunConfig) -> None:
     else:
         routing = build_routing_config(config.moe, world, dry_run=False)
         jobs = [moe_job(case, config.moe.send_mode, config) for case in replica_cases(routing)]
+        plan["models"] = [config.moe.model]
     if kind != "moe" and config.harness.imbalance_cost:
         raise UsageError(
             f"--imbalance-cost compares MoE cases with a uniform layout; --pattern {kind} has none"
@@ -139,6 +140,8 @@ def run_suite(config: RunConfig) -> None:
     check_jobs(jobs, config)
     plan = {
         "suite": "quick" if quick else "default",
+        "models": list(models),
+        "skews": list(skews),
         "tokens": tokens,
         "min_bytes": sizes[0],
         "max_bytes": max_bytes,

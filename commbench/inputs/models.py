@@ -39,6 +39,7 @@ LIMITS = {
     "scale_block": 1 << 20,  # one fp32 scale per block: a block above hidden means one scale per row
 }
 _MAX_NAME_CHARS = 100  # a name labels tables and report rows: one short line
+_MARKUP = "<>&\"'`|\\{}$"  # characters a model name never needs: HTML, Markdown table cells, shells
 
 
 @dataclass(frozen=True)
@@ -178,6 +179,12 @@ def _parse_model(text: str, origin: str, default_name: str) -> ModelConfig:
     if not name.strip() or len(name) > _MAX_NAME_CHARS or not name.isprintable():
         raise UsageError(
             f"{origin}: name {shorten(name)} must be 1 to {_MAX_NAME_CHARS} printable characters on one line"
+        )
+    markup = sorted(set(name) & set(_MARKUP))
+    if markup:  # a name labels tables, pages and file cells: markup there is someone's mistake or attack
+        raise UsageError(
+            f"{origin}: name {shorten(name)} holds {' '.join(markup)}; use letters, digits, spaces and "
+            ". _ - + / :"
         )
     try:
         return ModelConfig(**data)

@@ -178,7 +178,10 @@ _NULL = type(None)
 _META_TYPES: dict[str, tuple[type, ...]] = {
     "commbench_version": (str, _NULL),
     "subcommand": (str, _NULL),
-    "args": (dict, _NULL),
+    "args": (dict, _NULL),  # folders of earlier versions
+    "config": (dict, _NULL),
+    "plan": (dict, _NULL),
+    "acceptance": (dict, _NULL),
     "backend_choice": (str, _NULL),
     "launcher": (str, _NULL),
     "argv": (list,),

@@ -73,6 +73,7 @@ from commbench.report.pages.console import (
     sweep_config,
 )
 from commbench.report.pages.sections import report_html, summary_markdown
+from commbench.run.config import meta_values
 
 # Judges a finished (or stopped) run: (results frame, rank frame, meta) -> its Verdict (cli.acceptance).
 Judge = Callable[[pd.DataFrame, pd.DataFrame, dict[str, Any]], Verdict]
@@ -137,12 +138,12 @@ def file_records(frame: pd.DataFrame) -> list[dict[str, Any]]:
 class ReportWriter:
     """Writes one report folder: CSVs appended as phases finish, the pages rendered from them in ``finalize``.
 
-    ``meta`` is saved as meta.json at once (typically {"args": ..., "env": ...}) with the spec's ``spec`` and
-    ``system_spec`` entries; ``spec`` None takes the spec ``meta`` names (``spec_from_meta``). ``claim`` is
-    the token of a claim made before launching (``claim_out_dir`` in the launcher); None claims the folder
-    now; ``resume``: the interrupted run's rows stay and new ones are appended after them. After a failed
-    write (ReportWriteError, raised once) the writer writes nothing more: the folder keeps the whole files
-    it had.
+    ``meta`` is saved as meta.json at once (typically {"config": ..., "plan": ..., "env": ...}) with the
+    spec's ``spec`` and ``system_spec`` entries; ``spec`` None takes the spec ``meta`` names
+    (``spec_from_meta``). ``claim`` is the token of a claim made before launching (``claim_out_dir`` in the
+    launcher); None claims the folder now; ``resume``: the interrupted run's rows stay and new ones are
+    appended after them. After a failed write (ReportWriteError, raised once) the writer writes nothing
+    more: the folder keeps the whole files it had.
     """
 
     def __init__(
@@ -401,7 +402,7 @@ def results_json(frame: pd.DataFrame, meta: Mapping[str, Any], spec: SystemSpec)
     wrong_rows = out_of_bounds_count(balanced)
     return plain(
         {
-            "args": meta.get("args", {}),
+            "args": meta_values(meta),  # nccl-tests -J's "args": the options the run was given
             "env": env,
             "nccl_version": (env.get("versions") or {}).get("nccl"),
             "devices": env.get("devices", []),

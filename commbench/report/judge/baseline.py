@@ -36,6 +36,7 @@ from commbench.report.folder.reading import incomplete_reason, read_report
 from commbench.report.folder.writer import spec_from_meta
 from commbench.report.frame import emulated_rows, results_frame
 from commbench.run.case import IDENTITY, Case, cell, group_by_case
+from commbench.run.config import meta_values
 
 SCHEMA = "commbench.baseline/1"
 # A baseline holds a few numbers per case and repeat: 64 MiB is far beyond any real sweep.
@@ -191,7 +192,7 @@ def find_case(case: Case, table: Mapping[tuple[Any, ...], Any]) -> Any:
 
 def run_meta(run: ReportRun) -> dict[str, Any]:
     """What a baseline keeps of a source run: path, host, world size, backend, spec, version, date."""
-    meta, env, args = run.meta, run.meta.get("env") or {}, run.meta.get("args") or {}
+    meta, env, args = run.meta, run.meta.get("env") or {}, meta_values(run.meta)
     first = run.frame.iloc[0] if not run.frame.empty else {}
     spec = meta.get("spec") or {}
     versions = env.get("versions") or {}

@@ -34,6 +34,7 @@ from commbench.report.pages.tables import (
     format_bandwidth,
     timing_shown,
 )
+from commbench.run.config import meta_values
 
 PROGRAM = "commbench balanced alltoall"  # nccl-tests prints its program name ("alltoall_perf") here
 # commbench moves bytes: one element is one byte, so count and #wrong are in bytes.
@@ -153,7 +154,7 @@ def sweep_config(frame: pd.DataFrame, meta: Mapping[str, Any]) -> dict[str, Any]
     one GPU (nthreads 1, ngpus 1), no aggregation, no CUDA graph; the sizes and iterations from meta.json's
     arguments, else the rows (None where neither says); validation 1 when a row was verified; commbench's
     timing and check modes; ``devices`` from the rank places (``rank_records``)."""
-    args = meta.get("args") or {}
+    args = meta_values(dict(meta))  # the options and plan (meta.json of earlier versions: its args)
     sizes = sorted({int(size) for size in frame["size_bytes"]}) if "size_bytes" in frame else []
     checks = [str(c) for c in dict.fromkeys(frame["check"]) if not is_missing(c)] if "check" in frame else []
     return {

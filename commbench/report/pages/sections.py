@@ -52,6 +52,7 @@ from commbench.report.pages.tables import (
     time_note,
 )
 from commbench.report.pages.verdict_view import verdict_section
+from commbench.run.config import config_leaves, meta_values
 
 PAGE_TITLE = "commbench report"
 EMULATED_NOTE = (
@@ -84,9 +85,9 @@ def environment_lines(meta: dict[str, Any]) -> list[tuple[str, str]]:
         ("driver", nvml.get("driver_version")),
         ("env vars", " ".join(f"{k}={v}" for k, v in (env.get("env_vars") or {}).items()) or "none set"),
     ]
-    args = meta.get("args") or {}
-    if args:
-        items.append(("arguments", ", ".join(f"{k}={v}" for k, v in args.items())))
+    options = {key: value for key, value in config_leaves(meta).items() if value not in (None, "", [], ())}
+    if options:
+        items.append(("options", ", ".join(f"{k}={v}" for k, v in options.items())))
     return [(k, str(v)) for k, v in items if v not in (None, "")]
 
 
@@ -218,8 +219,8 @@ def budget_sections(frame: pd.DataFrame, meta: dict[str, Any], spec: SystemSpec)
     from commbench.inputs.models import load_model
     from commbench.report.profiler.budget import moe_budget
 
-    args = meta.get("args") or {}
-    names = args.get("model")
+    args = meta_values(meta)
+    names = args.get("models") or args.get("model")  # the models the cases ran (plan), else the option
     names = [names] if isinstance(names, str) else list(names or [])
     models = []
     for name in names:
