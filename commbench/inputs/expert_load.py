@@ -123,7 +123,8 @@ def _read_parquet(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             raise UsageError(
                 f"{where}: more than {MAX_LOAD_ROWS} rows; sum the steps (rows of a layer and expert add up)"
             )
-        table = parquet.read(columns=[names[position] for position in positions])
+        # One thread: a refusal right after a threaded read could abort the process at exit (exit 134).
+        table = parquet.read(columns=[names[position] for position in positions], use_threads=False)
     except UsageError:
         raise
     except (OSError, pa.ArrowException, ValueError) as exc:

@@ -281,7 +281,9 @@ def _read_parquet(path: str) -> tuple[np.ndarray, np.ndarray | None]:
                 values = sum(meta.row_group(g).column(index).num_values for g in range(meta.num_row_groups))
                 if values > MAX_TRACE_SELECTIONS:
                     raise _too_big(path, f"column {clip(column)}", values, MAX_TRACE_SELECTIONS, "values")
-        table = parquet.read(columns=wanted)
+        # One thread: a refusal right after a threaded read could end the process with "terminate called
+        # without an active exception" (exit 134) while Arrow's pool threads were still winding down.
+        table = parquet.read(columns=wanted, use_threads=False)
     except UsageError:
         raise
     except (OSError, pa.ArrowException, ValueError) as exc:

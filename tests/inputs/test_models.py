@@ -219,3 +219,13 @@ def test_bad_moe_intermediate_is_one_line(tmp_path, value):
     with pytest.raises(UsageError, match="moe_intermediate must be a positive integer") as info:
         load_model(str(path))
     assert "\n" not in str(info.value) and "mine.yaml" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["<script>alert(1)</script>", 'a"b', "a&b", "a|b", "a`b`", "${HOME}"])
+def test_a_model_name_with_markup_is_refused(tmp_path, name):
+    """A name labels tables, pages and CSV cells: markup there is a mistake or an attack (the pages escape it
+    anyway)."""
+    path = tmp_path / "m.yaml"
+    path.write_text(f"name: {name!r}\nhidden: 64\nnum_experts: 8\ntopk: 2\n")
+    with pytest.raises(UsageError, match="use letters, digits, spaces and"):
+        load_model(str(path))

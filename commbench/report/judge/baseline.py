@@ -312,6 +312,14 @@ def _check_case_entry(entry: Any, where: str) -> None:
             value = stats.get(field)
             if value is not None and (isinstance(value, bool) or not _finite(value)):
                 raise UsageError(f"{where}.figures.{name}.{field} must be a finite number or null; {damaged}")
+            if value is not None and value < 0:  # times, bandwidths and their spreads are never negative
+                raise UsageError(f"{where}.figures.{name}.{field} is {value:g}, below 0; {damaged}")
+        low, middle, high = (stats.get(field) for field in ("min", "median", "max"))
+        if None not in (low, middle, high) and not low <= middle <= high:
+            raise UsageError(
+                f"{where}.figures.{name}: min {low:g} <= median {middle:g} <= max {high:g} does not hold; "
+                f"{damaged}"
+            )
         n = stats.get("n")
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise UsageError(f"{where}.figures.{name}.n must be a whole number >= 0; {damaged}")

@@ -194,6 +194,16 @@ def test_bad_folders_are_refused_in_one_line(tmp_path: Path) -> None:
             '{"time_us": {"n": -1, "median": 1.0}}}]}',
             "n must be a whole number",
         ),
+        (  # a time below zero cannot have been measured
+            '{"schema": "commbench.baseline/1", "runs": [], "cases": [{"case": {}, "figures": '
+            '{"time_us": {"n": 2, "median": -5.0, "min": -6.0, "max": -4.0}}}]}',
+            "median is -5, below 0",
+        ),
+        (
+            '{"schema": "commbench.baseline/1", "runs": [], "cases": [{"case": {}, "figures": '
+            '{"time_us": {"n": 2, "median": 5.0, "min": 9.0, "max": 4.0}}}]}',
+            "min 9 <= median 5 <= max 4 does not hold",
+        ),
     ],
 )
 def test_bad_baseline_files_are_refused_in_one_line(tmp_path: Path, content: str, fragment: str) -> None:
