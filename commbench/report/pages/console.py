@@ -22,6 +22,7 @@ from commbench.report.frame import average_bus_bandwidth, balanced_rows
 from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
 from commbench.report.pages.modes import TIMING_HOW, TIMING_TIME, check_text, timing_modes, with_timing
 from commbench.report.pages.tables import (
+    REPEAT,
     TIMING,
     any_emulated,
     column,
@@ -358,8 +359,9 @@ _MOE_COLUMNS = (
     column("pattern", "pattern", fmt_text, 12),
     column("skew", "skew", fmt_text, 10),
     column("phase", "phase", fmt_text, 8),
+    REPEAT,  # where a case was measured several times: three rows of one case are told apart
     column("size_bytes", "size(B)", fmt_int, 10),
-    column("time_us_mean", "time(us)", fmt_time, 9),
+    column("time_us_mean", "mean(us)", fmt_time, 9),
     column("time_us_p50", "p50(us)", fmt_time, 9),
     column("time_us_p99", "p99(us)", fmt_time, 9),
     column("algbw_GBps", "algbw(GB/s)", format_bandwidth, 11),
@@ -372,8 +374,9 @@ _MOE_COLUMNS = (
 
 
 def moe_table(frame: pd.DataFrame) -> str:
-    """The MoE phases' table: time mean (time), p50 and p99; algbw, busbw and %spec from p50; the timing
-    and check modes, and the total #wrong."""
+    """The MoE phases' table: mean, p50 and p99 (each its own column, named in the header); algbw, busbw and
+    %spec from p50; the repeat where a case ran several times; the timing and check modes; the total
+    #wrong."""
     frame = timing_shown(with_knob_setting(frame))
     lines = []
     if not frame.empty:
@@ -391,7 +394,10 @@ def moe_table(frame: pd.DataFrame) -> str:
             f"spec: {spec_text}"
         )
         lines += _mode_lines(frame, TIMING_TIME)
-        lines.append("# time(us) = the mean; algbw, busbw and %spec from p50(us); GB = 1e9 B; see summary.md")
+        lines.append(
+            "# one statistic per column over the timed iterations, max over ranks: mean(us), p50(us), "
+            "p99(us); algbw, busbw and %spec from p50(us); GB = 1e9 B; see summary.md"
+        )
     shown = [c for c in _MOE_COLUMNS if c.source in frame.columns]
     lines.append(
         column_table(shown, frame).text(

@@ -6,7 +6,7 @@ import pytest
 
 from commbench.inputs.specs import load_spec
 from commbench.report import ReportWriter, average_bus_bandwidth, results_frame, results_table
-from commbench.report.pages.console import bus_id_text, nccl_float, rank_lines
+from commbench.report.pages.console import bus_id_text, moe_table, nccl_float, rank_lines
 from tests.report.rows import balanced_row, skewed_rows
 
 GB300 = load_spec("gb300-nvl72")
@@ -150,9 +150,10 @@ def test_average_is_over_balanced_rows_only_and_moe_table_follows() -> None:
     header = next(i for i, line in enumerate(lines) if line.startswith("# pattern"))
     assert concluded < header  # the MoE table comes below the nccl-tests table
     columns = lines[header].split()
-    assert columns[:7] == ["#", "pattern", "skew", "phase", "size(B)", "time(us)", "p50(us)"]
+    assert columns[:7] == ["#", "pattern", "skew", "phase", "size(B)", "mean(us)", "p50(us)"]
     assert "p99(us)" in columns and "timing" not in columns
-    assert "# time(us) = the mean; algbw, busbw and %spec from p50(us); GB = 1e9 B; see summary.md" in text
+    assert "max over ranks: mean(us), p50(us), p99(us); algbw, busbw and %spec from p50(us)" in text
+    assert "repeat" not in columns  # one measurement per case: nothing to tell apart
     body = [line for line in lines[header + 1 :] if not line.startswith("#")]
     assert [line.split()[:3] for line in body] == [
         ["toy", "hot:1:0.5", "dispatch"],
@@ -203,3 +204,15 @@ def test_finalized_frame_carries_meta_for_the_header(tmp_path) -> None:
     writer.add(balanced())
     text = results_table(writer.finalize())  # no meta passed: the frame carries the writer's
     assert "minBytes 4096 maxBytes 8192 step: 2(factor)" in text and "Pid   4242" in text
+
+
+def test_the_moe_table_names_the_repeat_of_each_row() -> None:
+    """suite --repeat runs a case three times: its three rows are told apart by their repeat."""
+    rows = [row for repeat in (0, 1, 2) for row in skewed_rows(100.0 + repeat, repeat=repeat)]
+    text = moe_table(results_frame(rows, load_spec("hgx-h100")))
+    lines = text.splitlines()
+    [header] = [index for index, line in enumerate(lines) if line.startswith("# pattern")]
+    columns = lines[header].split()
+    assert columns[:6] == ["#", "pattern", "skew", "phase", "repeat", "size(B)"]
+    repeats = [line.split()[3] for line in lines[header + 1 :] if line.startswith("  ")]
+    assert sorted(repeats) == ["0", "0", "1", "1", "2", "2"]
