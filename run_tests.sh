@@ -13,4 +13,12 @@ elif [ "${COMMBENCH_REQUIRE_LINT:-0}" = 1 ]; then
 else
   echo "[tests] ruff not installed: lint skipped (pip install ruff to lint)" >&2
 fi
-python -m pytest -q "$@"
+# Two workers where pytest-xdist is installed (the test extra has it): most tests wait on rank processes
+# they started, so two run side by side on 2 cores; a module's tests stay on one worker (--dist loadscope)
+# and share its launches. COMMBENCH_TEST_WORKERS=0 runs them in one process, =auto one per core.
+workers="${COMMBENCH_TEST_WORKERS:-2}"
+if [ "$workers" != 0 ] && python -c "import xdist" 2>/dev/null; then
+  python -m pytest -q -n "$workers" --dist loadscope "$@"
+else
+  python -m pytest -q "$@"
+fi
