@@ -466,6 +466,24 @@ def config_leaves(meta: dict[str, Any]) -> dict[str, Any]:
     return {renamed.get(str(key), str(key)): value for key, value in args.items()}
 
 
+def command_options(meta: dict[str, Any]) -> dict[str, Any]:
+    """The options of the command a report folder was run with, by field name: only those that command
+    takes (a suite's folder does not list run's --pattern or --tokens default); every saved argument of a
+    folder of an earlier version."""
+    leaves = config_leaves(meta)
+    command = meta.get("subcommand")
+    if not isinstance(meta.get("config"), dict) or not isinstance(command, str):
+        return leaves
+    taken = {
+        item.name
+        for section in dataclasses.fields(RunConfig)
+        if section.name != "command"
+        for item in dataclasses.fields(section.default_factory())  # type: ignore[misc]
+        if (spec := option_spec(item)) is not None and command in spec.commands
+    }
+    return {key: value for key, value in leaves.items() if key in taken}
+
+
 def meta_values(meta: dict[str, Any]) -> dict[str, Any]:
     """What a report folder was run with, by name: its options (``config_leaves``) and what the command
     made of them (meta.json's ``plan``: sizes, repeats, the resolved backend, a trace's source)."""

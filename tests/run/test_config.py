@@ -105,3 +105,13 @@ def test_resume_compares_every_option_but_those_that_do_not_change_a_case():
         {"config": config_to_meta(RunConfig.from_options("run", {"world_size": 2, "timeout_s": 60.0}))}
     )
     assert {key for key in a if a[key] != b[key]} == {"timeout_s"}
+
+
+def test_a_folder_lists_only_the_options_its_command_takes():
+    from commbench.run.config import command_options
+
+    config = RunConfig.from_options("suite", {"world_size": 4, "quick": True})
+    options = command_options({"subcommand": "suite", "config": config_to_meta(config)})
+    assert options["quick"] is True and "tokens" not in options and "pattern" not in options
+    old = {"subcommand": "run", "args": {"tokens_per_rank": 64}}
+    assert command_options(old) == {"tokens": 64}  # an earlier folder: every saved argument

@@ -52,7 +52,7 @@ from commbench.report.pages.tables import (
     time_note,
 )
 from commbench.report.pages.verdict_view import verdict_section
-from commbench.run.config import config_leaves, meta_values
+from commbench.run.config import command_options, meta_values
 
 PAGE_TITLE = "commbench report"
 EMULATED_NOTE = (
@@ -85,9 +85,12 @@ def environment_lines(meta: dict[str, Any]) -> list[tuple[str, str]]:
         ("driver", nvml.get("driver_version")),
         ("env vars", " ".join(f"{k}={v}" for k, v in (env.get("env_vars") or {}).items()) or "none set"),
     ]
-    options = {key: value for key, value in config_leaves(meta).items() if value not in (None, "", [], ())}
+    options = {key: value for key, value in command_options(meta).items() if value not in (None, "", [], ())}
     if options:
         items.append(("options", ", ".join(f"{k}={v}" for k, v in options.items())))
+    plan = meta.get("plan")
+    if isinstance(plan, dict) and plan:  # what the command made of them: sizes, repeats, the backend
+        items.append(("resolved", ", ".join(f"{k}={v}" for k, v in plan.items())))
     return [(k, str(v)) for k, v in items if v not in (None, "")]
 
 
