@@ -16,18 +16,22 @@ from tests.launches import PAIRWISE, SLOW_PAIR, Launch, copy_of, not_failed_by_d
 HEATMAPS = ("one-way bandwidth (GB/s)", "latency (us)", "bidirectional bandwidth (GB/s)")
 
 
-def flagged_pairs(run: Launch) -> set[tuple[str, str]]:
+def flagged_pairs(run: Launch, *statuses: str) -> set[tuple[str, str]]:
+    """(test, "src->dst") of the pairwise elements with one of ``statuses`` (default FAIL and WARN)."""
+    statuses = statuses or ("FAIL", "WARN")
     return {
         (e.name.split(" ")[0], e.name.rsplit(" ", 1)[-1])
         for e in run.verdict().elements
-        if e.group == "pairwise" and e.status in ("FAIL", "WARN") and "->" in e.name
+        if e.group == "pairwise" and e.status in statuses and "->" in e.name
     }
 
 
-def test_the_planted_slow_direction_is_the_only_pair_flagged(pairwise_run: Launch) -> None:
+def test_the_planted_slow_direction_is_the_only_pair_that_fails(pairwise_run: Launch) -> None:
     assert pairwise_run.last_line().startswith("commbench verdict: FAIL")
-    # Not its reverse, nor any other pair (the three tests of one direction: a planted 20 ms per send).
-    assert flagged_pairs(pairwise_run) == {
+    # The three tests of one direction (a planted 20 ms per send) fail, confirmed by reruns; not its
+    # reverse, nor any other pair. A busy host's noise may flag another pair once: a WARN ("not
+    # reproduced" by the reruns), never a FAIL.
+    assert flagged_pairs(pairwise_run, "FAIL") == {
         ("latency", SLOW_PAIR),
         ("bandwidth", SLOW_PAIR),
         ("bidir", SLOW_PAIR),
