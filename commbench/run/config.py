@@ -418,15 +418,6 @@ class RunConfig:
         harness.check_world(launch.world_size)
         return config
 
-    def leaves(self) -> dict[str, Any]:
-        """Every option's value by its (unique) field name."""
-        return {
-            f.name: getattr(getattr(self, s.name), f.name)
-            for s in dataclasses.fields(self)
-            if s.name != "command"
-            for f in dataclasses.fields(getattr(self, s.name))
-        }
-
 
 # Options that may differ between an interrupted run and the one resuming it: they do not change which cases
 # run or what a case measures.
