@@ -163,7 +163,13 @@ def confirm_slow_ranks(
                     rerun_spreads[spread.key].append(spread)
     if limits is None:
         return []
-    return [confirm(first, rerun_spreads.get(first.key, []), limits.spread) for first in firsts]
+    planted = {delay.src for delay in opts.inject_delay if delay.dst is None}
+    return [
+        confirm(
+            first, rerun_spreads.get(first.key, []), limits.spread, cpu_run=limits.cpu_run, planted=planted
+        )
+        for first in firsts
+    ]
 
 
 def make_judge(
@@ -178,6 +184,7 @@ def make_judge(
     test, a "bisect" element says whether slow all-to-all cases come from a slow pair or not."""
 
     def judge(frame: pd.DataFrame, ranks: pd.DataFrame, meta: dict[str, Any]) -> Verdict:
+        from commbench.report.judge.outliers import timing_status
         from commbench.report.judge.verdict import Element, build_verdict
 
         limits, spec, baseline = acceptance.limits, acceptance.spec, acceptance.baseline
@@ -190,11 +197,14 @@ def make_judge(
             )
             for finding in findings:
                 fields = finding.element()
+                status, message = timing_status(
+                    fields["status"], fields["message"], limits.cpu_run, planted=False
+                )
                 extra.append(
                     Element(
-                        group="baseline", name=fields["name"], status=fields["status"],
-                        message=fields["message"], measured=fields["value"], limit=fields["limit"],
-                        unit=fields["unit"] or "", remedy=fields["remedy"] or "",
+                        group="baseline", name=fields["name"], status=status, message=message,
+                        measured=fields["value"], limit=fields["limit"], unit=fields["unit"] or "",
+                        remedy=fields["remedy"] or "",
                     )
                 )  # fmt: skip
         extra += list(extra_elements)

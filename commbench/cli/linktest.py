@@ -93,7 +93,10 @@ def run_link_test(
         if comm.rank == 0:
             rerun_frames.append(pair_frame(pair_rows(rerun, layout), spec))
     if comm.rank == 0 and limits is not None:
-        confirmed = confirm_pairs(flags, stats, rerun_frames, rule, limits.spread)
+        planted = {(delay.src, delay.dst) for delay in opts.inject_delay if delay.dst is not None}
+        confirmed = confirm_pairs(
+            flags, stats, rerun_frames, rule, limits.spread, cpu_run=limits.cpu_run, planted=planted
+        )
         outcome.elements = pair_elements(frame, stats, confirmed, rule, limits.cpu_run)
         outcome.wrong += int(sum(frame_wrong(f) for f in rerun_frames))
         failed = sum(item.status == "FAIL" for item in confirmed)

@@ -101,6 +101,8 @@ KEYS: dict[str, _Key] = {
     "spread.min_ranks": _Key(int, 3, 1 << 24, what="a rank count of at least 3"),
     "spread.confirm_reruns": _Key(int, 0, 10, what="a number of reruns in [0, 10]"),
     "spread.confirm_rule": _Key(str, choices=CONFIRM_RULES, what="one of: all, majority"),
+    # A confirmed flag FAILs only when its gap is this many times the noise measured in the same launch.
+    "spread.noise_k": _Key(float, 1.0, 100.0, what="a multiple of the launch's own noise in [1, 100]"),
     # Fixed: an acceptance test accepts no wrong byte and no timeout. The keys exist so that every limit the
     # verdict applies is written in the file.
     # The pairwise link test (run.pairwise, report.pairs): message sizes, the class-median rule, class floors.
@@ -141,7 +143,9 @@ class SpreadRule:
     """The outlier rule across ranks (report.judge.outliers): a rank is flagged when its value is more
     than ``k_mads`` scaled MADs (1.4826 x MAD) AND ``min_excess_pct`` % AND ``min_excess_us`` above the
     median of the ranks; cases with fewer than ``min_ranks`` ranks are not judged. A flag is confirmed by
-    ``confirm_reruns`` reruns of the case under ``confirm_rule`` (all, or a strict majority, of them)."""
+    ``confirm_reruns`` reruns of the case under ``confirm_rule`` (all, or a strict majority, of them), and
+    FAILs only when its smallest gap over those measurements is more than ``noise_k`` times the noise the
+    same launch measured (``report.judge.outliers.launch_noise``; for pairs ``report.judge.pairs``)."""
 
     k_mads: float = 5.0
     min_excess_pct: float = 25.0
@@ -149,6 +153,7 @@ class SpreadRule:
     min_ranks: int = 3
     confirm_reruns: int = 2
     confirm_rule: str = "all"
+    noise_k: float = 3.0
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ A window (nccl-tests' back-to-back loop, as the balanced sweep): ``warmup`` unti
 (3) times: the receive buffer poisoned, synchronize, barrier, [timer start] ``iters`` messages posted at once
 (``batch_isend_irecv``: grouped on NCCL), wait for the receives [timer stop], wait for the sends, check. A
 direction's time is the median of its receiver's ``repeats`` windows / iters (one descheduled process or one
-hiccup in one window is not a slow link; ``time_us_max`` keeps the worst). A receiver's window runs from the
+hiccup in one window is not a slow link; ``time_us_min`` and ``time_us_max`` keep the range, the noise the
+verdict weighs a slow pair against). A receiver's window runs from the
 common barrier until the last byte arrived, the way a slow link shows (a sender's own completion says when its
 buffer may be reused, not when the bytes landed). Each window's last message is verified byte for byte
 (``wrong`` bytes; poisoned first, so a message that never came cannot pass). Latency here is the time per
@@ -218,6 +219,7 @@ def _run_window(
         "iters": job.iters,
         "repeats": job.repeats,
         "time_us": float(np.median(seconds)) / job.iters * 1e6,
+        "time_us_min": min(seconds) / job.iters * 1e6,
         "time_us_max": max(seconds) / job.iters * 1e6,
         "wrong": wrong,
     }

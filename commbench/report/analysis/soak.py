@@ -6,7 +6,8 @@ repeat of its case (``run.case.Case``: rounds are its ``repeat``); a case's band
 of ``analysis.repeats`` (balanced: mean time, MoE: p50). Drift = how much the last rounds lost against the
 first: 100 x (1 - median of the last rounds / median of the first), each end the median of up to
 ``END_ROUNDS`` rounds (so one noisy round at either end is not a drift);
-WARN above ``soak.drift_warn_pct``, FAIL above ``soak.drift_fail_pct``. A gain is never a finding. Wrong
+WARN above ``soak.drift_warn_pct``, FAIL above ``soak.drift_fail_pct`` (a CPU run's drift is WARN at most:
+``outliers.timing_status``). A gain is never a finding. Wrong
 data and health-counter increases during the soak are judged by their own groups (data, health).
 """
 
@@ -18,6 +19,7 @@ import pandas as pd
 
 from commbench.inputs.limits import Limits
 from commbench.report.analysis.repeats import busbw_per_repeat
+from commbench.report.judge.outliers import timing_status
 from commbench.report.judge.verdict import Element
 from commbench.run.case import REPEAT_COLUMN, group_by_case
 
@@ -67,6 +69,7 @@ def soak_elements(frame: pd.DataFrame, limits: Limits) -> list[Element]:
             f"{name}: {change} over {rounds} rounds ({float(group[SOAK_COLUMN].max()):.0f} s; "
             f"busbw {first:.3g} -> {last:.3g} GB/s, ends compared as medians of up to {END_ROUNDS} rounds)"
         )
+        status, message = timing_status(status, message, limits.cpu_run, planted=False)
         remedy = _DRIFT_REMEDY if status != "PASS" else ""
         elements.append(Element("soak", name, status, message, round(drift, 2), limit, "%", remedy))
     return elements

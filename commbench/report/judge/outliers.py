@@ -14,14 +14,20 @@ outlier. In an all-to-all one slow rank makes every rank finish late, so feed th
 between ranks (arrival, wait), not the common end-to-end time.
 
 Before a FAIL the flagged case is rerun (``SpreadRule.confirm_reruns`` times): ``confirm`` makes a flag FAIL
-when it repeats in all reruns (``confirm_rule: all``) or in more than half of them (``majority``), else
-WARN "not reproduced". With ``confirm_reruns: 0`` a flag fails at once.
+when it repeats in all reruns (``confirm_rule: all``) or in more than half of them (``majority``) AND its
+smallest gap over those measurements is more than ``noise_k`` times the noise the launch measured itself
+(``launch_noise``: how far the other ranks' values move between the measurements of the same case), else
+WARN ("not reproduced", or "within the launch's noise"). With ``confirm_reruns: 0`` a flag fails at once.
+
+A CPU run's times are the host's scheduling, not a fabric's: there a timing finding is WARN at most
+(``timing_status``), except the fault planted with ``--inject-delay`` (the harness's own detection test),
+which still has to be found and confirmed by the rule like any other and then FAILs as a real fault would.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -34,6 +40,8 @@ from commbench.run.case import group_by_case, size_text
 __all__ = ["size_text"]  # re-exported: the verdict's names use it
 
 SCALED_MAD = 1.4826  # MAD x this = the standard deviation, for normally distributed values
+CPU_TIMING_NOTE = "CPU run: its times are this host's scheduling, not a fabric's, so WARN at most"
+PLANTED_NOTE = "the fault planted with --inject-delay, found by the rule: FAIL as a real one would be"
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,11 @@ class CaseSpread:
     flags: tuple[RankFlag, ...] = ()
     skipped: str = ""
     key: tuple[object, ...] = ()  # the case's Case.repeat_key (outliers_by_case): reruns are matched by it
+    values: tuple[tuple[int, float], ...] = ()  # (rank, value) judged: launch_noise compares measurements
+
+    def value_of(self, rank: int) -> float:
+        """``rank``'s value in this measurement (NaN: it reported none)."""
+        return next((value for known, value in self.values if known == rank), math.nan)
 
 
 @dataclass(frozen=True)
@@ -120,7 +133,8 @@ def find_outliers(
         pct = 100.0 * excess / abs(median) if median != 0 else math.inf
         if mads > rule.k_mads and pct > rule.min_excess_pct and excess > rule.min_excess_us:
             flags.append(RankFlag(rank, value, median, scaled_mad, excess, mads, pct))
-    return CaseSpread(case, metric, unit, len(known), median, scaled_mad, tuple(flags))
+    measured = tuple(sorted(known.items()))
+    return CaseSpread(case, metric, unit, len(known), median, scaled_mad, tuple(flags), values=measured)
 
 
 def outliers_by_case(
@@ -146,10 +160,62 @@ def needs_rerun(spreads: Sequence[CaseSpread], rule: SpreadRule) -> list[CaseSpr
     return [spread for spread in spreads if spread.flags and rule.confirm_reruns > 0]
 
 
-def confirm(first: CaseSpread, reruns: Sequence[CaseSpread], rule: SpreadRule) -> SpreadOutcome:
+def launch_noise(measurements: Sequence[CaseSpread], rank: int) -> float:
+    """The noise a launch measured itself around one case: the median, over the ranks other than ``rank``,
+    of how far each one's value moved between the measurements of the case (max - min over the first pass
+    and its reruns). 0 with fewer than two measurements: nothing to compare, so no noise is known."""
+    per_rank: dict[int, list[float]] = {}
+    for spread in measurements:
+        for other, value in spread.values:
+            if other != rank:
+                per_rank.setdefault(other, []).append(value)
+    ranges = [max(values) - min(values) for values in per_rank.values() if len(values) > 1]
+    return float(np.median(ranges)) if ranges else 0.0
+
+
+def timing_status(status: str, note: str, cpu_run: bool, planted: bool) -> tuple[str, str]:
+    """A timing finding's (status, note) on this run (module docstring): on a CPU run a FAIL is a WARN,
+    unless the finding is the fault ``--inject-delay`` planted."""
+    if status != "FAIL" or not cpu_run:
+        return status, note
+    if planted:
+        return status, f"{note}; {PLANTED_NOTE}"
+    return "WARN", f"{note}; {CPU_TIMING_NOTE}"
+
+
+def _against_noise(flag: RankFlag, measurements: Sequence[CaseSpread], rule: SpreadRule) -> tuple[bool, str]:
+    """Whether the flag's smallest gap over the measurements that flagged it is more than ``noise_k``
+    times the launch's noise, and the words for it."""
+    gaps = [
+        spread.value_of(flag.rank) - spread.median
+        for spread in measurements
+        if any(other.rank == flag.rank for other in spread.flags)
+    ]
+    gap = min(gaps) if gaps else flag.excess
+    noise = launch_noise(measurements, flag.rank)
+    unit = measurements[0].unit
+    if noise <= 0:
+        return True, f"gap >= {gap:.4g} {unit} (no noise between measurements)"
+    if gap > rule.noise_k * noise:
+        return True, f"gap >= {gap:.4g} {unit}, {gap / noise:.1f}x the launch's noise {noise:.4g} {unit}"
+    return False, (
+        f"within the launch's noise: gap {gap:.4g} {unit} is not above {rule.noise_k:g}x the {noise:.4g} "
+        f"{unit} the other ranks moved between measurements"
+    )
+
+
+def confirm(
+    first: CaseSpread,
+    reruns: Sequence[CaseSpread],
+    rule: SpreadRule,
+    *,
+    cpu_run: bool = False,
+    planted: Collection[int] = (),
+) -> SpreadOutcome:
     """The first measurement's flags judged by the reruns of the same case (module docstring). Fewer
     reruns than ``rule.confirm_reruns`` (a stopped run) are judged as they are; none at all leaves a
-    flag at WARN "not confirmed", unless the rule asks for no rerun."""
+    flag at WARN "not confirmed", unless the rule asks for no rerun. ``cpu_run``: timing findings WARN
+    at most, except on the ``planted`` ranks (``--inject-delay RANK:US``)."""
     confirmed = []
     judged = [spread for spread in reruns if not spread.skipped]
     for flag in first.flags:
@@ -165,5 +231,9 @@ def confirm(first: CaseSpread, reruns: Sequence[CaseSpread], rule: SpreadRule) -
             note = f"flagged again in {repeats} of {count} reruns"
             if not repeated:
                 note = f"not reproduced ({note}; rule: {rule.confirm_rule})"
+            else:
+                above, words = _against_noise(flag, [first, *judged], rule)
+                status, note = ("FAIL" if above else "WARN"), f"{note}; {words}"
+        status, note = timing_status(status, note, cpu_run, flag.rank in planted)
         confirmed.append(ConfirmedFlag(flag, status, repeats, count, note))
     return SpreadOutcome(first, tuple(confirmed))

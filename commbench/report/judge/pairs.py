@@ -9,16 +9,19 @@ AND ``min_excess_us`` above it AND, for bandwidth, its bandwidth (size / time) i
 below the class's (size / median time), or, for latency, its time is ``latency_excess_pct`` % above the
 median. Reruns of the flagged pairs (``spread.confirm_reruns``, rule ``spread.confirm_rule``) are judged
 against the first pass's median and MAD (a rerun of a few pairs has no median of its own): a flag that repeats
-as the rule asks is FAIL, one that comes back less often WARN (intermittent), one that never comes back PASS
-with the note "not reproduced" (one slow measurement). Against the spec (GPU runs): each class's slowest pair
-against ``pairwise.<class>.busbw_{warn,fail}_fraction`` of the class's per-direction figure; a CPU run SKIPs
-that.
+as the rule asks is FAIL when its smallest gap above the class median (first pass and reruns) is more than
+``spread.noise_k`` times the class's own noise (the median over its pairs of the range of their repeat
+windows: ``ClassStats.noise_us``), else WARN; one that comes back less often WARN (intermittent), one that
+never comes back PASS with the note "not reproduced" (one slow measurement). On a CPU run a timing finding is
+WARN at most, except the direction planted with ``--inject-delay SRC-DST:US`` (``outliers.timing_status``).
+Against the spec (GPU runs): each class's slowest pair against ``pairwise.<class>.busbw_{warn,fail}_fraction``
+of the class's per-direction figure; a CPU run SKIPs that.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +29,14 @@ import numpy as np
 import pandas as pd
 
 from commbench.inputs.limits import Floor, PairRule, SpreadRule
-from commbench.report.judge.outliers import SCALED_MAD
+from commbench.report.judge.outliers import SCALED_MAD, timing_status
 from commbench.report.judge.verdict import CPU_SKIP, Element
 
 PAIRS_FILE = "pairs.csv"
 CLASS_WORDS = {"nvlink": "NVLink", "scaleout": "scale-out", "self": "self"}
+# CPU ranks (device -1) talk over the host's own transport (gloo: loopback TCP on one host; shmem-emu: shared
+# memory) whatever their class: the class is only the layout's emulated NVLink domain or not.
+_CPU_CLASS_WORDS = {"nvlink": "CPU pair in one emulated NVLink domain", "scaleout": "CPU pair across domains"}
 TEST_WORDS = {"latency": "latency", "bandwidth": "one-way bandwidth", "bidir": "bidirectional bandwidth"}
 _PAIR_REMEDY = (
     "check that link: `nvidia-smi nvlink -s` (speeds) and `nvidia-smi nvlink -e` (errors) on both hosts; "
@@ -56,6 +62,7 @@ class ClassStats:
     scaled_mad: float  # us
     size_bytes: int = 0  # the message size (its bandwidth = size / time)
     skipped: str = ""
+    noise_us: float = 0.0  # median over the class's pairs of their repeat windows' range (max - min), us
 
     @property
     def median_GBps(self) -> float:
@@ -102,7 +109,14 @@ def class_stats(frame: pd.DataFrame, rule: PairRule) -> list[ClassStats]:
             continue
         median = float(np.median(values))
         mad = SCALED_MAD * float(np.median(np.abs(values - median)))
-        out.append(ClassStats(str(test), str(link), len(values), median, mad, size))
+        noise = 0.0
+        if {"time_us_min", "time_us_max"} <= set(rows.columns):  # folders before the range was kept lack it
+            ranges = pd.to_numeric(rows["time_us_max"], errors="coerce") - pd.to_numeric(
+                rows["time_us_min"], errors="coerce"
+            )
+            ranges = ranges.dropna()
+            noise = float(ranges.median()) if not ranges.empty else 0.0
+        out.append(ClassStats(str(test), str(link), len(values), median, mad, size, noise_us=noise))
     return out
 
 
@@ -164,35 +178,61 @@ def confirm_pairs(
     reruns: Sequence[pd.DataFrame],
     rule: PairRule,
     spread: SpreadRule,
+    *,
+    cpu_run: bool = False,
+    planted: Collection[tuple[int, int]] = (),
 ) -> list[ConfirmedPair]:
     """Each first-pass flag judged by the reruns (``pair_frame``s of the flagged pairs) against the first
-    pass's class statistics."""
+    pass's class statistics and noise (module docstring); ``planted``: the (src, dst) directions
+    ``--inject-delay`` slowed."""
     by_class = {(s.test, s.link_class): s for s in stats}
     out = []
     for flag in flags:
-        repeats = 0
+        stat = by_class[(flag.test, flag.link_class)]
+        repeats, gaps = 0, [flag.time_us - stat.median]
         for frame in reruns:
             same = (frame["test"] == flag.test) & (frame["src"] == flag.src) & (frame["dst"] == flag.dst)
             rows = frame[same]
             value = float(rows["time_us"].iloc[0]) if not rows.empty else math.nan
-            repeats += _off(flag.test, value, by_class[(flag.test, flag.link_class)], rule) is not None
+            again = _off(flag.test, value, stat, rule) is not None
+            repeats += again
+            if again:
+                gaps.append(value - stat.median)
         count = len(reruns)
         if spread.confirm_reruns == 0:
-            out.append(ConfirmedPair(flag, "FAIL", "not rerun (spread.confirm_reruns is 0)"))
-            continue
-        if count == 0:
-            out.append(ConfirmedPair(flag, "WARN", "not confirmed: the pair was not rerun"))
-            continue
-        repeated = repeats == count if spread.confirm_rule == "all" else 2 * repeats > count
-        note = f"flagged again in {repeats} of {count} reruns"
-        if repeated:
-            status = "FAIL"
-        elif repeats:  # it came back, but not as often as the rule asks: an intermittent link
-            status, note = "WARN", f"intermittent ({note}; rule: {spread.confirm_rule})"
-        else:  # never again: one slow measurement on a busy host, not a link
-            status, note = "PASS", f"not reproduced ({note}): noise, not a finding"
+            status, note = "FAIL", "not rerun (spread.confirm_reruns is 0)"
+        elif count == 0:
+            status, note = "WARN", "not confirmed: the pair was not rerun"
+        else:
+            repeated = repeats == count if spread.confirm_rule == "all" else 2 * repeats > count
+            note = f"flagged again in {repeats} of {count} reruns"
+            if repeated:
+                status, note = _against_noise(min(gaps), stat, spread, note)
+            elif repeats:  # it came back, but not as often as the rule asks: an intermittent link
+                status, note = "WARN", f"intermittent ({note}; rule: {spread.confirm_rule})"
+            else:  # never again: one slow measurement on a busy host, not a link
+                status, note = "PASS", f"not reproduced ({note}): noise, not a finding"
+        status, note = timing_status(status, note, cpu_run, (flag.src, flag.dst) in planted)
         out.append(ConfirmedPair(flag, status, note))
     return out
+
+
+def _against_noise(gap: float, stat: ClassStats, spread: SpreadRule, note: str) -> tuple[str, str]:
+    """FAIL when a repeated flag's smallest gap is more than ``noise_k`` x its class's noise, else WARN."""
+    noise = stat.noise_us
+    if noise <= 0:
+        return "FAIL", f"{note}; gap >= {_num(gap)} us per message (no noise measured)"
+    if gap > spread.noise_k * noise:
+        return "FAIL", f"{note}; gap >= {_num(gap)} us per message, {gap / noise:.1f}x the class's noise"
+    return "WARN", (
+        f"{note}; within the launch's noise: gap {_num(gap)} us per message is not above "
+        f"{spread.noise_k:g}x the class's {_num(noise)} us spread between repeat windows"
+    )
+
+
+def _host(frame: pd.DataFrame, rank: int, side: str) -> str:
+    rows = frame[frame[side] == rank]
+    return str(rows.iloc[0].get(f"{side}_host") or "?") if not rows.empty else "?"
 
 
 def _end(frame: pd.DataFrame, rank: int, side: str) -> str:
@@ -207,9 +247,27 @@ def _end(frame: pd.DataFrame, rank: int, side: str) -> str:
     return f"rank {rank} (host {host}, {where})"
 
 
+def cpu_pairs(frame: pd.DataFrame) -> bool:
+    """Whether a pair frame's ranks are CPU processes (every end's device -1): its classes are not links."""
+    if frame.empty or "src_device" not in frame.columns:
+        return False
+    devices = pd.to_numeric(frame["src_device"], errors="coerce").fillna(-1)
+    return bool((devices < 0).all())
+
+
+def class_words(link_class: str, cpu: bool) -> str:
+    """How a link class is named: NVLink / scale-out between GPUs, what it really is between CPU ranks."""
+    words = _CPU_CLASS_WORDS if cpu else CLASS_WORDS
+    return words.get(link_class, CLASS_WORDS.get(link_class, link_class))
+
+
 def pair_text(frame: pd.DataFrame, src: int, dst: int, link_class: str) -> str:
-    """ "rank a (host, GPU) -> rank b (host, GPU), NVLink"."""
-    words = CLASS_WORDS.get(link_class, link_class)
+    """ "rank a (host, GPU) -> rank b (host, GPU), NVLink"; for CPU ranks on one host, "..., CPU pair in
+    one emulated NVLink domain (loopback)"."""
+    cpu = cpu_pairs(frame)
+    words = class_words(link_class, cpu)
+    if cpu:
+        words += " (loopback)" if _host(frame, src, "src") == _host(frame, dst, "dst") else " (network)"
     return f"{_end(frame, src, 'src')} -> {_end(frame, dst, 'dst')}, {words}"
 
 
@@ -245,7 +303,7 @@ def pair_elements(
     flagged = {item.flag.key: item for item in confirmed}
     for stat in stats:
         label = f"{stat.test} {stat.link_class}"
-        words = f"{CLASS_WORDS.get(stat.link_class, stat.link_class)} {TEST_WORDS.get(stat.test, stat.test)}"
+        words = f"{class_words(stat.link_class, cpu_pairs(frame))} {TEST_WORDS.get(stat.test, stat.test)}"
         if stat.skipped:
             elements.append(Element("pairwise", label, "SKIP", f"{words}: {stat.skipped}"))
             continue

@@ -21,7 +21,7 @@ from commbench.report.analysis.replicas import replicas_section
 from commbench.report.analysis.soak import soak_figure
 from commbench.report.folder.reading import ExtraTables, incomplete_reason
 from commbench.report.frame import CONVENTIONS, average_bus_bandwidth, balanced_rows, pair_frame
-from commbench.report.judge.pairs import CLASS_WORDS, TEST_WORDS, heatmap_figure, pair_matrix
+from commbench.report.judge.pairs import TEST_WORDS, class_words, cpu_pairs, heatmap_figure, pair_matrix
 from commbench.report.judge.verdict import Verdict
 from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
 from commbench.report.pages.html import balanced_figure, per_gpu_figure, rank_figures
@@ -260,13 +260,14 @@ def _flagged(verdict: Verdict | None) -> dict[str, dict[tuple[int, int], str]]:
 def _summary_rows(frame: pd.DataFrame) -> list[list[Any]]:
     """Per (test, class): pairs, median, slowest pair and its value."""
     rows = []
+    cpu = cpu_pairs(frame)
     for (test, link), group in frame.groupby(["test", "link_class"], sort=False):
         column, unit = ("time_us", "us") if test == "latency" else ("GBps", "GB/s")
         values = pd.to_numeric(group[column], errors="coerce")
         worst = group.loc[values.idxmax() if test == "latency" else values.idxmin()]
         rows.append(
             [
-                TEST_WORDS.get(str(test), str(test)), CLASS_WORDS.get(str(link), str(link)), str(len(group)),
+                TEST_WORDS.get(str(test), str(test)), class_words(str(link), cpu), str(len(group)),
                 f"{values.median():.4g} {unit}", f"{int(worst['src'])}->{int(worst['dst'])}",
                 f"{float(worst[column]):.4g} {unit}",
             ]

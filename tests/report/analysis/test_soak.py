@@ -46,3 +46,10 @@ def test_other_runs_have_no_soak_elements() -> None:
     rows = soak_rows([1.0, 2.0]).drop(columns=["soak_s"])
     assert not is_soak(rows) and soak_elements(rows, GPU) == []
     assert soak_elements(soak_rows([600.0]), GPU)[0].status == "SKIP"
+
+
+def test_a_cpu_run_drift_is_a_warn_at_most() -> None:
+    # A CPU run's bandwidth is this host's scheduling: a collapse is worth a look, never a FAIL.
+    cpu = load_limits(None)  # drift WARN 50%, FAIL 75%
+    (element,) = soak_elements(soak_rows([600, 600, 600, 50, 60, 55]), cpu)
+    assert element.status == "WARN" and "CPU run" in element.message

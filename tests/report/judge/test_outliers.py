@@ -15,8 +15,10 @@ from commbench.report.judge.outliers import (
     RankFlag,
     confirm,
     find_outliers,
+    launch_noise,
     needs_rerun,
     outliers_by_case,
+    timing_status,
 )
 
 GPU_RULE = load_limits("gb300-nvl72").spread  # k 5, > 25%, > 10 us
@@ -141,3 +143,48 @@ def test_outliers_by_case_over_rank_rows():
     assert [f.rank for f in spreads[0].flags] == [6] and spreads[0].ranks == 8
     assert spreads[1].flags == () and spreads[0].metric == "arrival lateness"
     assert outliers_by_case(pd.DataFrame(rows), "absent", GPU_RULE) == []
+
+
+def _measured(values: list[float], rule: SpreadRule = GPU_RULE) -> CaseSpread:
+    return find_outliers(values, rule, case="c", metric="arrival")
+
+
+def test_launch_noise_is_how_far_the_other_ranks_moved_between_measurements() -> None:
+    first = _measured([10, 11, 10, 12, 10, 80, 11, 10])
+    again = _measured([14, 11, 10, 18, 10, 80, 11, 10])  # ranks 0 and 3 moved by 4 and 6
+    assert launch_noise([first, again], rank=5) == 0.0  # the median over the seven other ranks' ranges
+    moved = _measured([30, 31, 30, 32, 30, 100, 31, 30])  # every other rank moved by 20
+    assert launch_noise([first, moved], rank=5) == pytest.approx(20.0)
+    assert launch_noise([first], rank=5) == 0.0  # one measurement: no noise known
+
+
+def test_a_repeated_flag_fails_only_above_the_launch_noise() -> None:
+    steady = [_measured([10, 11, 10, 12, 10, 80, 11, 10]) for _ in range(3)]
+    outcome = confirm(steady[0], steady[1:], GPU_RULE)
+    assert (
+        outcome.status == "FAIL" and "flagged again in 2 of 2 reruns; gap >= 69" in outcome.confirmed[0].note
+    )
+    # The same 69 us gap in a launch whose healthy ranks themselves move by ~40 us between measurements.
+    first = _measured([10, 11, 10, 12, 10, 80, 11, 10])
+    noisy = [_measured([50, 51, 50, 52, 50, 125, 51, 50]), _measured([50, 51, 50, 52, 50, 125, 51, 50])]
+    outcome = confirm(first, noisy, GPU_RULE)
+    (item,) = outcome.confirmed
+    assert item.status == "WARN" and "within the launch's noise" in item.note and item.repeats == 2
+
+
+@pytest.mark.parametrize(("planted", "status"), [((), "WARN"), ((5,), "FAIL"), ((2,), "WARN")])
+def test_a_cpu_run_timing_finding_is_a_warn_unless_planted(planted, status) -> None:
+    steady = [_measured([5000, 5100, 5000, 5200, 5000, 30000, 5100, 5000], CPU_RULE) for _ in range(3)]
+    outcome = confirm(steady[0], steady[1:], CPU_RULE, cpu_run=True, planted=planted)
+    (item,) = outcome.confirmed
+    assert item.status == status
+    assert ("--inject-delay" in item.note) == (status == "FAIL")
+    assert ("CPU run" in item.note) == (status == "WARN")
+    # The same finding on a GPU run FAILs: the cap is the CPU run's, not the rule's.
+    assert confirm(steady[0], steady[1:], CPU_RULE).status == "FAIL"
+
+
+def test_timing_status_only_touches_a_cpu_run_fail() -> None:
+    assert timing_status("WARN", "n", cpu_run=True, planted=False) == ("WARN", "n")
+    assert timing_status("FAIL", "n", cpu_run=False, planted=False) == ("FAIL", "n")
+    assert timing_status("FAIL", "n", cpu_run=True, planted=False)[0] == "WARN"

@@ -151,3 +151,31 @@ def test_the_matrix_is_indexed_src_then_dst() -> None:
     assert matrix.iat[2, 0] == pytest.approx(SIZE / 2000.0 / 1e3) and matrix.iat[0, 2] == pytest.approx(
         SIZE / 1e6
     )
+
+
+def _with_windows(frame: pd.DataFrame, spread_us: float) -> pd.DataFrame:
+    """The pairs' repeat windows ``spread_us`` apart per message (time_us_min/max around time_us)."""
+    return frame.assign(
+        time_us_min=frame["time_us"] - spread_us / 2, time_us_max=frame["time_us"] + spread_us / 2
+    )
+
+
+def test_a_repeated_slow_pair_fails_only_above_its_class_noise() -> None:
+    slow = {("bandwidth", 1, 2): 4000.0}  # 3000 us per message above the 1000 us class median
+    for spread_us, status in ((100.0, "FAIL"), (2000.0, "WARN")):
+        frame, stats, flags = judge(_with_windows(pairs(4, slow), spread_us))
+        (stat,) = [s for s in stats if (s.test, s.link_class) == ("bandwidth", "nvlink")]
+        assert stat.noise_us == pytest.approx(spread_us)
+        (item,) = confirm_pairs(flags, stats, [frame, frame], CPU.pairwise, CPU.spread)
+        assert item.status == status, item.note
+        assert ("within the launch's noise" in item.note) == (status == "WARN")
+
+
+@pytest.mark.parametrize(("planted", "status"), [((), "WARN"), (((1, 2),), "FAIL"), (((2, 1),), "WARN")])
+def test_a_cpu_run_slow_pair_is_a_warn_unless_it_is_the_planted_direction(planted, status) -> None:
+    frame, stats, flags = judge(pairs(4, {("bandwidth", 1, 2): 4000.0}))
+    (item,) = confirm_pairs(
+        flags, stats, [frame, frame], CPU.pairwise, CPU.spread, cpu_run=True, planted=planted
+    )
+    assert item.status == status
+    assert ("--inject-delay" in item.note) == (status == "FAIL")
