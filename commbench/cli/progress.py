@@ -23,13 +23,21 @@ class Progress:
         self.done = 0
         self.swept_keys = swept_keys
         self.started = time.monotonic()
+        self.first_done: float | None = None  # when the first phase finished
 
     def _clock(self) -> str:
-        """Elapsed time and what is left, estimated from the phases so far (they differ in size, so it is a
-        rough figure that settles as the run goes)."""
-        elapsed = time.monotonic() - self.started
-        left = elapsed / self.done * (self.total - self.done) if self.done else 0.0
-        return f"{_duration(elapsed)} elapsed, ~{_duration(left)} left"
+        """Elapsed time and what is left, estimated from the phases measured after the first one (the
+        first carries the connection set-up and warm-up; phases differ in size, so it is a rough figure
+        that settles as the run goes): "estimating" until a phase after the first has finished."""
+        now = time.monotonic()
+        elapsed = now - self.started
+        if self.first_done is None:
+            self.first_done = now
+        if self.done < 2 or self.done >= self.total:
+            left = "estimating" if self.done < self.total else "done"
+            return f"{_duration(elapsed)} elapsed, {left}"
+        per_phase = (now - self.first_done) / (self.done - 1)
+        return f"{_duration(elapsed)} elapsed, ~{_duration(per_phase * (self.total - self.done))} left"
 
     def _setting(self, row: dict[str, Any]) -> str:
         """The swept knobs of a row (effective values) for its progress line, e.g. " [chunk_rows=4]"."""

@@ -137,6 +137,18 @@ RANK_DERIVED_COLUMNS = tuple(f"{c}_{d}_GBps" for c in RANK_CLASSES for d in ("se
 _REQUIRED_COLUMNS = ("size_bytes", "time_us_p50", "max_send_link_bytes", "max_recv_link_bytes")
 
 
+def fabric_rows(frame: pd.DataFrame) -> pd.Series:
+    """Per row, whether its times are a GPU fabric's: its backend's class says so (``gpu_fabric``: nccl,
+    nvshmem, the dispatcher adapters) and it is not emulated. gloo, shmem-emu, mock and sim rows (and rows
+    of a backend this install does not know) are a host's or a model's."""
+    from commbench.backends import loaded_backends
+
+    fabric = {name for name, backend in loaded_backends() if backend.gpu_fabric and not backend.emulated}
+    if "backend" not in frame.columns:
+        return pd.Series(False, index=frame.index, dtype=bool)
+    return frame["backend"].astype(str).isin(fabric) & ~emulated_rows(frame)
+
+
 def emulated_rows(frame: pd.DataFrame) -> pd.Series:
     """Per row, whether it comes from an emulated backend (mock, sim, shmem-emu): the ``emulated`` bool of
     the harness's rows, which a folder read back holds as a bool too (``report.folder.reading``)."""

@@ -20,7 +20,7 @@ from commbench.fabric.budget import RECORD_TFLOPS, Budget, budget_notes, check_t
 from commbench.inputs.models import ModelConfig
 from commbench.inputs.specs import SystemSpec
 from commbench.plain import is_missing
-from commbench.report.frame import emulated_rows
+from commbench.report.frame import fabric_rows
 from commbench.report.pages.render import Bullets, Section
 from commbench.report.pages.tables import Table
 from commbench.run.case import Case, group_by_case, model_digest
@@ -48,10 +48,12 @@ def _yes(hides: bool) -> str:
     return "yes" if hides else "no"
 
 
-def budget_table(labelled: Sequence[tuple[str, Budget]], label: str) -> Table:
+def budget_table(labelled: Sequence[tuple[str, Budget]], label: str, not_judged: Iterable[str] = ()) -> Table:
     """One row per budget and throughput, after a ``label`` column (the world size, the case); a budget
-    that was not computed gets one row saying why."""
+    that was not computed gets one row saying why; the ``not_judged`` names (CPU times) show their ratios
+    but "not judged" for whether it hides."""
     body = []
+    unjudged = set(not_judged)
     for name, budget in labelled:
         if not budget.computed:
             body.append([name, "-", "-", budget.missing, "-", f"{budget.comm_us:.1f}", "-", "-", "-", "-"])
@@ -70,7 +72,7 @@ def budget_table(labelled: Sequence[tuple[str, Budget]], label: str) -> Table:
                     f"{forward.compute_us:.1f}",
                     f"{forward.ratio:.2f}",
                     f"{training.ratio:.2f}",
-                    f"{_yes(forward.hides)} / {_yes(training.hides)}",
+                    "not judged" if name in unjudged else f"{_yes(forward.hides)} / {_yes(training.hides)}",
                 ]
             )
     return Table((label, *HEADERS), body, text_columns=(0, 3, 9), wide=True)
@@ -134,6 +136,8 @@ def moe_budget(
         return None
     chosen = [models] if isinstance(models, ModelConfig) else list(models)
     labelled: list[tuple[str, Budget]] = []
+    verdicts: list[str] = []
+    cpu_labels: list[str] = []
     skipped: list[str] = []
     for layer, case in group_by_case(moe, layer=True):  # dispatch and combine of a layer, every repeat
         label = layer.label
@@ -151,10 +155,22 @@ def moe_budget(
             skipped.append(f"{label}: not computed: the rows have no {BUSIEST_COLUMN} column")
         else:
             comm = float(phases["dispatch"] + phases["combine"])
-            labelled.append((label, make_budget(model, selections, comm, tflops, spec)))
-    verdicts = [budget.verdict() for _, budget in labelled] + skipped
+            budget = make_budget(model, selections, comm, tflops, spec)
+            labelled.append((label, budget))
+            if fabric_rows(case).all():
+                verdicts.append(budget.verdict())
+            else:
+                cpu_labels.append(
+                    label
+                )  # the figures are shown; a hide / not-hide line on a host's times would mislead
+                backends = ", ".join(sorted(set(case["backend"].astype(str)))) if "backend" in case else "?"
+                verdicts.append(
+                    f"{label}: not judged: CPU all-to-all times ({backends}), not a GPU fabric's; the table "
+                    "shows what this host's times would mean"
+                )
+    verdicts += skipped
     notes = budget_notes([budget for _, budget in labelled])
-    if emulated_rows(moe).any():
+    if not fabric_rows(moe).all():
         notes.append("CPU or emulated rows: the all-to-all time is this host's, not a GPU fabric's")
-    table = [budget_table(labelled, "case")] if labelled else []
+    table = [budget_table(labelled, "case", cpu_labels)] if labelled else []
     return Section(BUDGET_TITLE, (*table, Bullets(verdicts + notes)))

@@ -19,8 +19,11 @@ SELECTIONS = 1000
 COMPUTE_US = 2 * 3 * 4096 * 1024 * SELECTIONS / 500e12 * 1e6
 
 
+GPU_ROWS = {"backend": "nccl", "backend_name": "nccl"}  # a GPU fabric's times: the budget is judged
+
+
 def _frame(time_us: float = 100.0, **extra):
-    rows = [balanced_row(4, 1 << 20, 50.0), *skewed_rows(time_us, **extra)]
+    rows = [balanced_row(4, 1 << 20, 50.0), *skewed_rows(time_us, **{**GPU_ROWS, **extra})]
     return results_frame(rows, load_spec("hgx-h100"))
 
 
@@ -98,7 +101,19 @@ def test_what_is_missing_is_said():
 
 def test_html_and_cpu_note():
     frame = _frame(**{BUSIEST_COLUMN: SELECTIONS})
-    frame["emulated"] = True
     text = html_page("budget", [moe_budget(frame, TOY, tflops=None)])
     assert '<div class="wide"><table>' in text and "<li>toy at 1648 TFLOPs/GPU" in text
-    assert "not a GPU fabric" in text
+    assert "not a GPU fabric" not in text
+    frame["emulated"] = True
+    assert "not a GPU fabric" in html_page("budget", [moe_budget(frame, TOY, tflops=None)])
+
+
+@pytest.mark.parametrize("backend", ["gloo", "shmem-emu", "mock"])
+def test_cpu_times_are_shown_but_not_judged(backend):
+    # A CPU host's all-to-all says nothing about whether training hides a GPU fabric's: no verdict line.
+    text = _markdown(moe_budget(_frame(**{BUSIEST_COLUMN: SELECTIONS, "backend": backend}), TOY, tflops=500))
+    assert f"not judged: CPU all-to-all times ({backend}), not a GPU fabric's" in text
+    table, notes = text.split("\n\n", 1)
+    assert "| not judged" in table and "no / no" not in table
+    assert "cannot hide" not in notes and "hides it" not in notes
+    assert "300.0" in text  # the table still shows the figures
