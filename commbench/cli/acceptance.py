@@ -90,7 +90,8 @@ def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec,
 
 
 def rank_names(layout: Layout) -> dict[int, str]:
-    """rank -> "host h2, GPU 1 [0000:19:00], NVLink domain 0" for the verdict's messages."""
+    """rank -> "host h2, GPU 1 [0000:19:00], pid 7, NVLink domain 0" for the verdict's messages (a CPU rank:
+    "host h2, CPU, pid 7, emulated NVLink domain 0")."""
     names = {}
     for rank, place in enumerate(layout.places):
         where = (
@@ -99,7 +100,9 @@ def rank_names(layout: Layout) -> dict[int, str]:
             else "CPU"
         )
         domain = int(layout.domain_of_rank[rank]) if rank < layout.world_size else -1
-        names[rank] = f"host {place.host}, {where}, pid {place.pid}, NVLink domain {domain}"
+        # CPU ranks have no NVLink: their domain is the layout's emulated one (--ranks-per-domain).
+        kind = "NVLink domain" if place.device >= 0 else "emulated NVLink domain"
+        names[rank] = f"host {place.host}, {where}, pid {place.pid}, {kind} {domain}"
     return names
 
 

@@ -67,7 +67,10 @@ class Layout:
         values, counts = np.unique(self.domain_sizes, return_counts=True)
         order = np.argsort(-counts, kind="stable")
         size_text = " + ".join(f"{int(counts[i])} x {int(values[i])}" for i in order)
-        text = f"{self.world_size} ranks in NVLink domains of {size_text} ranks, {self.num_hosts} host(s)"
+        # CPU ranks (every gathered place without a GPU) have no NVLink: their domains are emulated.
+        cpu = bool(self.places) and self.method != "nvml-clique" and all(p.device < 0 for p in self.places)
+        kind = "emulated NVLink domains" if cpu else "NVLink domains"
+        text = f"{self.world_size} ranks in {kind} of {size_text} ranks, {self.num_hosts} host(s)"
         if not self.places:  # not gathered from running ranks (a what-if): say where it came from
             return f"{text} ({self.source})"
         return f"{text}; found by {FOUND_BY[self.method]}"

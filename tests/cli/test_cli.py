@@ -391,7 +391,7 @@ def test_end_to_end_meta_and_summary(moe_run: Launch) -> None:
     assert meta["topology"]["domain_of_rank"] == [0, 1] and meta["topology"]["method"] == "override"
     summary = (out / "summary.md").read_text()
     assert "## By link class" in summary and "## What skew costs" in summary
-    assert "Topology: 2 ranks in NVLink domains of 2 x 1 ranks" in summary
+    assert "Topology: 2 ranks in emulated NVLink domains of 2 x 1 ranks" in summary  # gloo: CPU ranks
 
 
 def test_report_renders_the_pages_again_from_results_csv(moe_run: Launch, tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ def test_gathered_layout_on_one_host_and_with_overrides():
     found = run_threads(4, gather_layout, (RunOptions("mock"),))
     assert found.method == "host" and found.num_domains == 1 and len(found.places) == 4
     assert found.describe() == (
-        "4 ranks in NVLink domains of 1 x 4 ranks, 1 host(s); "
+        "4 ranks in emulated NVLink domains of 1 x 4 ranks, 1 host(s); "  # CPU ranks: no NVLink
         "found by host (no NVLink fabric clique reported: one domain per host)"
     )
     overridden = run_threads(4, gather_layout, (RunOptions("mock", ranks_per_domain=2),))
