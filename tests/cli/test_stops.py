@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -70,7 +71,7 @@ STOPS = {
 FIRST_ROW, NO_ROW, WHOLE = "first-row", "no-row", "killed-whole"
 STARTUP_S = 300  # ranks importing torch on a busy 2-core machine, a few launches at once
 GONE_S = 60.0  # a stopped launch's processes gone (the launcher kills what is left after ~11 s)
-PARALLEL = 3  # launches at once: each mostly sleeps (the planted delays) once started
+PARALLEL = 4  # launches at once: each mostly sleeps (the planted delays) once started
 
 
 @dataclass(frozen=True)
@@ -126,14 +127,17 @@ def _first_rows(out: Path) -> bool:
 
 
 def _launch_ids(mark: str) -> set[str]:
-    """The launch ids (COMMBENCH_LAUNCH_ID) of the run's spawned ranks: their scratch files carry it."""
+    """The launch ids of the run's spawned ranks: their scratch files carry it. A rank is started with its
+    launch's matplotlib folder, ``MPLCONFIGDIR=/dev/shm/commbench-mpl-<launch id>-<random>`` (its launch id
+    variable is set later, in the rank: /proc shows the environment a process started with)."""
     ids = set()
     for pid in marked_processes(mark):
         try:
             with open(f"/proc/{pid}/environ", "rb") as handle:
                 for item in handle.read().split(b"\0"):
-                    if item.startswith(b"COMMBENCH_LAUNCH_ID="):
-                        ids.add(item.split(b"=", 1)[1].decode())
+                    name = os.path.basename(item.decode(errors="replace").partition("=")[2])
+                    if item.startswith(b"MPLCONFIGDIR=") and name.startswith("commbench-mpl-"):
+                        ids.add(name.split("-")[2])
         except OSError:
             continue
     return ids
@@ -176,7 +180,9 @@ def run_cell(cell: Cell, root: Path) -> Stopped:
     root.mkdir(parents=True)
     mark = new_mark()
     out = root / "report"
-    env = run_env(root, mark)
+    # No writable matplotlib config folder (not even for root: a path under a device file), so that the
+    # launch makes its own scratch one (commbench-mpl-<launch id>-*), which must go with the launch.
+    env = run_env(root, mark, XDG_CONFIG_HOME="/dev/null/no-config", MPLCONFIGDIR="")
     if cell.command == "run_suite.sh":
         env["COMMBENCH_VENV"] = sys.prefix  # the python running the tests (its own venv), set up already
     launcher = subprocess.Popen(
@@ -214,10 +220,13 @@ def run_cell(cell: Cell, root: Path) -> Stopped:
         kill_marked(mark)
         launcher.wait(30)
     result.stdout, result.stderr = stdout.text(), stderr.text()
+    if not launch_ids:
+        result.problem = "no launch id found: the ranks were not started with their matplotlib folder"
     result.scratch = _scratch_left(root / "tmpdir", launch_ids)
     result.left_files = sorted(path.name for path in out.iterdir()) if out.is_dir() else []
     if cell.when == WHOLE and out.is_dir():
-        env.pop("COMMBENCH_TEST_RUN")
+        for name in ("COMMBENCH_TEST_RUN", "XDG_CONFIG_HOME"):
+            env.pop(name)
         command = [sys.executable, "-m", "commbench", "report", str(out)]
         result.report = subprocess.run(
             command, cwd=root, env=env, capture_output=True, text=True, timeout=300
@@ -348,6 +357,8 @@ def test_a_run_killed_whole_keeps_its_rows_and_report_finishes_it(
     verdict = _check_incomplete_folder(result.out, "ended without finishing its report", marked=False)
     assert verdict["run"]["state"] == "incomplete"
     assert report.stdout.strip().splitlines()[-1].startswith("commbench verdict: INCOMPLETE")
-    # Nothing of a gloo launch is left in TMPDIR or /dev/shm even then (its pipes and shared counters are
-    # anonymous; a shared-memory backend's heaps, named after the launch, would be).
-    assert result.scratch == [], result.scratch
+    # What no process of the launch was left to remove: its scratch files, named after it (here its
+    # matplotlib folder; a shared-memory backend's heaps too), nothing else (removed here, as a user would).
+    assert [name.split("-")[1] for name in result.scratch] == ["mpl"], result.scratch
+    for name in result.scratch:
+        shutil.rmtree(name, ignore_errors=True)
