@@ -4,6 +4,7 @@ Exit codes: 0 pass, 1 fail (a bug: unexpected error), 2 bad input or could not r
 died or timed out, 128 + N stopped by signal N (130 SIGINT, 143 SIGTERM, 129 SIGHUP).
 """
 
+import re
 import signal
 
 
@@ -49,6 +50,13 @@ class StoppedError(CommbenchError):
         self.signum = int(signum)
         self.exit_code = 128 + self.signum
         super().__init__(message or f"stopped by {signal_name(self.signum)}")
+
+    @property
+    def reason(self) -> str:
+        """Why the run stopped, without who was stopped or what was kept: "stopped by SIGTERM", or "the
+        launcher (pid 12) is gone" (a spawned rank told by its parent's death)."""
+        text = first_line(self) or f"stopped by {signal_name(self.signum)}"
+        return re.sub(r"^rank \d+: ", "", text).split(";")[0].strip()
 
     def __reduce__(self) -> tuple[type, tuple[int, str]]:
         # Pickled from a spawned rank to the launcher: rebuild with the signal, not just the message.

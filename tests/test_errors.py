@@ -1,5 +1,7 @@
 """The one error -> (exit code, stderr line) function, and COMMBENCH_DEBUG read as a switch."""
 
+import pickle
+
 import pytest
 
 from commbench.errors import (
@@ -37,3 +39,18 @@ def test_every_error_is_one_line_and_its_exit_code(error, code, line):
 def test_commbench_debug_is_a_switch(monkeypatch, value, on):
     monkeypatch.setenv("COMMBENCH_DEBUG", value)
     assert debug_enabled() is on
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        (None, "stopped by SIGTERM"),
+        ("stopped by SIGTERM; all 4 ranks were stopped", "stopped by SIGTERM"),
+        ("rank 0: the launcher (pid 12) is gone", "the launcher (pid 12) is gone"),
+        ("rank 3: stopped by SIGHUP\ntraceback", "stopped by SIGHUP"),
+    ],
+)
+def test_a_stop_names_its_reason_without_who_was_stopped_or_what_was_kept(message, reason):
+    error = StoppedError(15, message)
+    assert error.reason == reason
+    assert pickle.loads(pickle.dumps(error)).reason == reason  # as a spawned rank sends it

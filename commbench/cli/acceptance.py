@@ -67,6 +67,38 @@ class Acceptance:
         }
 
 
+def unfinished_judge(meta: dict[str, Any]) -> Any:
+    """The judge of a launch's folder that no process of the run got to finish (killed whole: no verdict, no
+    INCOMPLETE mark; ``report.render_folder``): the acceptance meta.json records (the spec's limits, the
+    limits file and overrides, the baseline) read again, the run INCOMPLETE. A limits or baseline file that
+    cannot be read now is left out (said on stderr): the verdict still says what finished."""
+    import click
+
+    from commbench.errors import UsageError
+    from commbench.report import spec_from_meta
+    from commbench.report.folder.reading import incomplete_reason
+    from commbench.report.judge.verdict import RunStatus
+    from commbench.run.config import AcceptanceConfig
+
+    saved = meta.get("acceptance") if isinstance(meta.get("acceptance"), dict) else {}
+    chosen = saved.get("spec") if isinstance(saved.get("spec"), str) else None
+    spec = spec_from_meta(meta) if chosen is not None else None
+    how = str(saved.get("how_chosen") or "")
+    overrides = saved.get("limit_overrides")
+    files = AcceptanceConfig(
+        spec=chosen,
+        limits=saved.get("limits_file") if isinstance(saved.get("limits_file"), str) else None,
+        limit=tuple(str(item) for item in overrides) if isinstance(overrides, list) else (),
+        baseline=saved.get("baseline_file") if isinstance(saved.get("baseline_file"), str) else None,
+    )
+    try:
+        acceptance = Acceptance.load(files, spec, how, chosen)
+    except UsageError as exc:
+        click.echo(f"commbench: judged by the shipped limits alone: {exc}", err=True)
+        acceptance = Acceptance.load(AcceptanceConfig(spec=chosen), spec, how, chosen)
+    return make_judge(acceptance, RunStatus("incomplete", incomplete_reason(meta) or ""))
+
+
 def choose_report_spec(spec_text: str | None, backend: str) -> tuple[SystemSpec, str, str | None]:
     """(the spec the report compares with, how it was chosen, the spec the verdict judges by). No --spec:
     detected from the GPUs (``inputs.spec_choice``); no GPU or an unknown one: ``no_spec``, no %spec. Only

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any
 import click
 
 import commbench
+from commbench.cli.ending import finish_partial_report, stopped_error, verdict_last
 from commbench.cli.inputs import MAX_CASES
-from commbench.cli.plan import LaunchPlan, incomplete_reason
-from commbench.errors import StoppedError, UsageError, error_line
+from commbench.cli.plan import LaunchPlan
+from commbench.errors import UsageError
 from commbench.run.config import RESUME_FREE, RunConfig, config_to_meta
 
 if TYPE_CHECKING:
     from commbench.backends.options import OptionSweep
-    from commbench.cli.acceptance import Acceptance
     from commbench.report import OutDirClaim
     from commbench.run.jobs import Job
 
@@ -104,94 +104,31 @@ def launch(config: RunConfig, jobs: list[Job], plan: dict[str, Any], pairwise: b
             f"{swept}; {total} cases; report folder {out_dir}{resumed}",
             err=True,
         )
-    token = out_claim.token if out_claim is not None else None
     launch_plan = LaunchPlan(
-        config, jobs, options, system, out_dir, meta, total, tuple(sweep.swept), link_test, token,
+        config, jobs, options, system, out_dir, meta, total, tuple(sweep.swept), link_test, out_claim,
         bool(config.launch.resume), acceptance,
     )  # fmt: skip
     try:
         process_group = get_backend(backend).process_group
         dist.launch(world, launch_worker, (launch_plan,), process_group, options.timeout_s)
     except BaseException as exc:
-        # A launch that failed before rank 0 wrote anything leaves no empty report folder behind; one that
-        # wrote rows leaves them, marked INCOMPLETE (here if rank 0 was killed before it could say so).
-        kept = (
-            _finish_partial_report(out_dir, out_claim, exc, acceptance) if dist.is_rank0_process() else None
-        )
-        error = StoppedError(exc.signum, f"{exc}; {kept}") if isinstance(exc, StoppedError) and kept else exc
-        if dist.is_rank0_process():
-            _verdict_last(out_dir, error)
+        if not dist.is_rank0_process():
+            raise
+        # A launch that failed before rank 0 wrote anything leaves no empty report folder behind, nor does a
+        # stop before any case finished; one that wrote rows leaves them, marked INCOMPLETE (here if rank 0
+        # was killed before it could say so).
+        kept = finish_partial_report(out_dir, out_claim, exc, acceptance, bool(config.launch.resume))
+        error = stopped_error(exc, kept)
+        code = verdict_last(out_dir, error)
+        if code is not None:
+            raise click.exceptions.Exit(code) from None  # the error line is out, before the verdict line
         if error is not exc:
             raise error from exc
         raise
     if dist.is_rank0_process():
-        _verdict_last(out_dir, None)
-
-
-def _verdict_last(out_dir: str, error: BaseException | None) -> None:
-    """The console's last line: the verdict with the report path (after the error line of a failed run),
-    and the verdict's exit code (click.exceptions.Exit: the error line is already out)."""
-    from commbench.errors import CommbenchError
-    from commbench.report import saved_verdict
-    from commbench.report.judge.verdict import console_line
-
-    try:
-        verdict = saved_verdict(out_dir) if Path(out_dir).is_dir() else None
-    except CommbenchError:
-        verdict = None
-    if error is None:
-        if verdict is None:
-            click.echo(f"commbench: report written to {out_dir}")
-            return
-        click.echo(console_line(verdict, out_dir))
-        if verdict.exit_code:
-            raise click.exceptions.Exit(verdict.exit_code)
-        return
-    if verdict is None:
-        return  # nothing was judged (nothing ran): the error line alone
-    code, message = error_line(error)
-    click.echo(message, err=True)
-    click.echo(console_line(verdict, out_dir))
-    raise click.exceptions.Exit(code)
-
-
-def _finish_partial_report(
-    out_dir: str, out_claim: OutDirClaim | None, exc: BaseException, acceptance: Acceptance | None = None
-) -> str | None:
-    """After a failed or stopped launch, in the launcher (or rank 0 under torchrun): release a report folder
-    nothing was written to, else make sure it says INCOMPLETE. Returns where the finished rows are, or
-    None."""
-    import json
-
-    from commbench.report import ReportWriteError, mark_incomplete
-
-    if out_claim is not None and out_claim.release_if_unused():
-        return None
-    meta_path = Path(out_dir) / "meta.json"
-    reason = incomplete_reason(exc)
-    if not meta_path.is_file():
-        return None
-    if reason is None:  # wrong data: the rows say so; the verdict must be there even if rank 0 was cut short
-        if not (Path(out_dir) / "verdict.json").is_file():
-            from commbench.report import render_folder
-
-            try:
-                render_folder(out_dir, judge=_judge(acceptance, exc))
-            except Exception as error:  # noqa: BLE001 - never mask the error that ended the run
-                click.echo(f"commbench: could not write the verdict of the run: {error}", err=True)
-        return None
-    try:
-        meta = json.loads(meta_path.read_text())
-        # Rank 0 did not get to it, or knew less (it was stopped because another rank failed).
-        saved = str(meta.get("incomplete_reason", ""))[:200]  # the report clips a long reason
-        if meta.get("status") != "incomplete" or saved != " ".join(reason.split())[:200]:
-            mark_incomplete(out_dir, reason, _judge(acceptance, exc))
-    except ReportWriteError:  # the full disk that ended the run: its one error line says so already
-        return None
-    except Exception as error:  # noqa: BLE001 - never mask the error that ended the run
-        click.echo(f"commbench: could not mark the partial report incomplete: {error}", err=True)
-        return None
-    return f"what finished is in {out_dir} (marked INCOMPLETE)"
+        code = verdict_last(out_dir, None)
+        if code:
+            raise click.exceptions.Exit(code)
 
 
 def _choose_backend(config: RunConfig, cases: int) -> tuple[str, str, OptionSweep]:
@@ -228,16 +165,6 @@ def _choose_backend(config: RunConfig, cases: int) -> tuple[str, str, OptionSwee
     for setting in sweep.settings():  # a bad value in any setting of a sweep fails now, not in the ranks
         backend_class.check_options({**fixed, **setting}, world_size=config.world_size)
     return backend, reason, replace(sweep, fixed=fixed)
-
-
-def _judge(acceptance: Acceptance | None, error: BaseException | None) -> Any:
-    """The report's judge for a run that ended with ``error`` (None: it finished), or None."""
-    if acceptance is None:
-        return None
-    from commbench.cli.acceptance import make_judge
-    from commbench.report.judge.verdict import run_status_from_error
-
-    return make_judge(acceptance, run_status_from_error(error))
 
 
 def _with_report_layout(options: dict[str, Any], config: RunConfig) -> dict[str, Any]:

@@ -30,11 +30,14 @@ class LinkTestOutcome:
     seconds: float = 0.0
 
 
-def _progress_printer(started: float) -> Any:
-    """Prints a line at about every tenth of the rounds (and the last): big racks have 71 rounds."""
+def _progress_printer(started: float, layout: Layout, checkpoint: Any = None) -> Any:
+    """Prints a line at about every tenth of the rounds (and the last): big racks have 71 rounds; each time
+    the rows of the rounds done go to ``checkpoint`` too (pairs.csv, kept if the run is stopped later)."""
+    from commbench.run.pairwise import pair_rows, row_order
+
     shown: set[int] = set()
 
-    def show(done: int, total: int) -> None:
+    def show(done: int, total: int, samples: list[dict[str, Any]]) -> None:
         step = max(total // 10, 1)
         if done % step and done != total:
             return
@@ -44,16 +47,20 @@ def _progress_printer(started: float) -> Any:
         spent = time.monotonic() - started
         left = spent / done * (total - done)
         click.echo(f"commbench: pairwise round {done}/{total}, {spent:.1f} s, ~{left:.0f} s left", err=True)
+        if checkpoint is not None and done < total:  # the last round's rows: the caller writes them all
+            checkpoint(pair_rows(sorted(samples, key=row_order), layout))
 
     return show
 
 
 def run_link_test(
-    comm: Any, job: PairwiseJob, opts: RunOptions, layout: Layout, limits: Limits | None, spec: SystemSpec
-) -> LinkTestOutcome:
+    comm: Any, job: PairwiseJob, opts: RunOptions, layout: Layout, limits: Limits | None, spec: SystemSpec,
+    checkpoint: Any = None,
+) -> LinkTestOutcome:  # fmt: skip
     """Collective: the full schedule, then ``spread.confirm_reruns`` reruns of the flagged pairs; rank 0
     returns the rows and, judged by ``limits`` (rank 0 holds them; None elsewhere, or no verdict), the
-    verdict elements."""
+    verdict elements. ``checkpoint(rows)`` (rank 0) gets the rows of the rounds done as the schedule goes
+    on, with each progress line."""
     from commbench.report.frame import pair_frame
     from commbench.report.judge.pairs import (
         class_stats,
@@ -73,7 +80,7 @@ def run_link_test(
             f"({pairs} pairs, both directions), {job.bandwidth_bytes} B and {job.latency_bytes} B messages",
             err=True,
         )
-    samples = run_pairwise(comm, job, opts, rounds, _progress_printer(started))
+    samples = run_pairwise(comm, job, opts, rounds, _progress_printer(started, layout, checkpoint))
     plan: tuple[list[list[tuple[int, int]]], int] | None = None
     outcome = LinkTestOutcome()
     if comm.rank == 0:

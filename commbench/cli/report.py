@@ -15,11 +15,14 @@ def report(report_dir: str) -> None:
     the file (exit 2), and nothing in it changes. results.csv, ranks.csv and meta.json are never rewritten.
     A run that was stopped is re-rendered and said to be INCOMPLETE. The pages open with the folder's own
     verdict.json (never rewritten), whose line is printed last; a folder without one says it has no
-    verdict."""
+    verdict. A run no process of which got to finish its report (killed whole: no verdict.json, no
+    INCOMPLETE mark) is rendered INCOMPLETE and judged now: its verdict.json and junit.xml are written,
+    meta.json is not."""
+    from commbench.cli.acceptance import unfinished_judge
     from commbench.report import render_report, results_table
     from commbench.report.judge.verdict import console_line
 
-    frame = render_report(report_dir)
+    frame = render_report(report_dir, unfinished_judge)
     incomplete = frame.attrs.get("incomplete")
     if incomplete:
         click.echo(f"# INCOMPLETE: {incomplete}; only the phases that finished are below")

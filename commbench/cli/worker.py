@@ -26,13 +26,32 @@ if TYPE_CHECKING:
     from commbench.report import ReportWriter
 
 
+class _Rank0:
+    """What rank 0 holds as the launch goes on: what its end needs if it is stopped (``_finish_stopped``)."""
+
+    def __init__(self) -> None:
+        self.writer: ReportWriter | None = None
+        self.names: dict[int, str] = {}
+        self.extra: list[Any] = []  # verdict elements judged in the launch (preflight, pairwise, health)
+
+
 def launch_worker(comm: Any, plan: LaunchPlan) -> None:
     """Every rank runs the jobs, reruns the cases with a slow rank (``cli.acceptance``) and runs the
     pairwise link test (``cli.linktest``); rank 0 writes the report as phases finish, the verdict, and
-    prints the table."""
+    prints the table. Rank 0 stopped (or failing) at any point finishes the folder (``cli.ending``)."""
+    held = _Rank0()
+    try:
+        _work(comm, plan, held)
+    except BaseException as stopped_by:
+        if comm.rank == 0:
+            _finish_stopped(plan, held, stopped_by)
+        raise
+
+
+def _work(comm: Any, plan: LaunchPlan, held: _Rank0) -> None:
     from commbench.backends import get_backend
     from commbench.cli.acceptance import confirm_slow_ranks, make_judge, rank_names
-    from commbench.report.judge.verdict import RunStatus, run_status_from_error
+    from commbench.report.judge.verdict import RunStatus
     from commbench.run.placement import gather_layout
 
     backend_class = get_backend(plan.options.backend)
@@ -63,11 +82,12 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
         env["nccl_error_handling"] = nccl_errors.to_meta()
     meta = {**plan.meta, "env": env, "topology": layout.to_meta()}
     # Adds the spec to meta.json; a resumed run keeps the rows already in the folder.
-    writer = ReportWriter(plan.out_dir, meta, plan.spec, plan.out_claim, resume=plan.resume)
+    token = plan.out_claim.token if plan.out_claim is not None else None
+    writer = held.writer = ReportWriter(plan.out_dir, meta, plan.spec, token, resume=plan.resume)
     click.echo(f"commbench: topology: {layout.describe()}", err=True)
     progress = Progress(plan.total_steps, plan.spec, plan.swept_keys)
-    names = rank_names(layout)
-    extra: list[Any] = list(health.preflight)
+    names = held.names = rank_names(layout)
+    extra = held.extra = list(health.preflight)
     profiled = _ProfileSink(writer, plan.config.profiler.trace) if plan.options.profile else None
 
     def sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
@@ -75,40 +95,64 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
             writer.add(rows, rank_rows)
             progress(rows)
 
-    try:
-        jobs, rank_rows = _run_cases(comm, plan, backend_class, layout, sink, progress, profiled)
-        outcomes = []
-        if plan.acceptance is not None:
-            outcomes = confirm_slow_ranks(
-                comm, jobs, plan.options, backend_class, layout, rank_rows, plan.acceptance
-            )
-        _link_test(comm, plan, layout, writer, extra)
-        health.finish(comm, writer, extra)
-        if profiled is not None:
-            profiled.finish(names)
-    except BaseException as stopped_by:
-        from commbench.cli.plan import incomplete_reason
-
-        # Keep whatever finished readable (summary, html, verdict), saying INCOMPLETE and why, before the
-        # error propagates; a second stop signal meanwhile does not cut it short.
-        with deferred_stop():
-            try:
-                judge = None
-                if plan.acceptance is not None:
-                    status = run_status_from_error(stopped_by)
-                    judge = make_judge(plan.acceptance, status, (), names, extra)
-                frame = writer.finalize(incomplete=incomplete_reason(stopped_by), judge=judge)
-                if not frame.empty:
-                    click.echo(results_table(frame, writer.meta))
-            except Exception as exc:  # never mask the original error
-                click.echo(f"commbench: could not finalize the partial report: {exc}", err=True)
-        raise
+    jobs, rank_rows = _run_cases(comm, plan, backend_class, layout, sink, progress, profiled)
+    outcomes = []
+    if plan.acceptance is not None:
+        outcomes = confirm_slow_ranks(
+            comm, jobs, plan.options, backend_class, layout, rank_rows, plan.acceptance
+        )
+    _link_test(comm, plan, layout, writer, extra)
+    health.finish(comm, writer, extra)
+    if profiled is not None:
+        profiled.finish(names)
     judge = None
     if plan.acceptance is not None:
         judge = make_judge(plan.acceptance, RunStatus(), outcomes, names, extra)
+    # The run has finished once its report has: a stop while it is rendered ends it INCOMPLETE too.
     frame = writer.finalize(judge=judge)
-    if not frame.empty:
+    if frame is not None and not frame.empty:
         click.echo(results_table(frame, writer.meta))
+
+
+def _finish_stopped(plan: LaunchPlan, held: _Rank0, stopped_by: BaseException) -> None:
+    """Rank 0 after a stop or a failure: keep whatever finished readable (summary, html, verdict), saying
+    INCOMPLETE and why, or leave no folder when a stop came before anything finished (``cli.ending``); a
+    second stop signal meanwhile does not cut it short. A spawned rank 0 whose launcher is gone also prints
+    the lines the launcher would have."""
+    from commbench.cli.acceptance import make_judge
+    from commbench.cli.ending import (
+        NOTHING_KEPT,
+        discard_claim,
+        incomplete_reason,
+        kept_line,
+        orphan_last_lines,
+    )
+    from commbench.report import results_table
+    from commbench.report.judge.verdict import run_status_from_error
+    from commbench.run.liveness import current_monitor, deferred_stop
+
+    with deferred_stop():
+        kept = None
+        discard = discard_claim(plan.out_claim, stopped_by, plan.resume)
+        try:
+            if held.writer is None:  # stopped before meta.json: the claim alone to undo
+                if discard is not None and discard.release_if_unused():
+                    kept = NOTHING_KEPT
+            else:
+                judge = None
+                if plan.acceptance is not None:
+                    status = run_status_from_error(stopped_by)
+                    judge = make_judge(plan.acceptance, status, (), held.names, held.extra)
+                reason = incomplete_reason(stopped_by)
+                frame = held.writer.finalize(incomplete=reason, judge=judge, discard=discard)
+                kept = NOTHING_KEPT if frame is None else kept_line(plan.out_dir)
+                if frame is not None and not frame.empty:
+                    click.echo(results_table(frame, held.writer.meta))
+        except Exception as exc:  # never mask the original error
+            click.echo(f"commbench: could not finalize the partial report: {exc}", err=True)
+        monitor = current_monitor()
+        if monitor is not None and monitor.launcher_gone():
+            orphan_last_lines(plan.out_dir, stopped_by, kept)
 
 
 def _run_cases(
@@ -173,14 +217,18 @@ def _link_test(
     from commbench.cli.linktest import run_link_test
     from commbench.errors import VerificationError
     from commbench.report.judge.pairs import PAIRS_FILE
+    from commbench.run.liveness import deferred_stop
+
+    def write_pairs(rows: list[dict[str, Any]]) -> None:
+        if writer is not None and rows:
+            with deferred_stop():  # a stop signal waits until the file is whole
+                writer.set_table(PAIRS_FILE, rows)
 
     limits = plan.acceptance.limits if comm.rank == 0 and plan.acceptance is not None else None
-    outcome: LinkTestOutcome = run_link_test(comm, plan.pairwise, plan.options, layout, limits, plan.spec)
-    if writer is not None and outcome.rows:
-        from commbench.run.liveness import deferred_stop
-
-        with deferred_stop():
-            writer.set_table(PAIRS_FILE, outcome.rows)
+    outcome: LinkTestOutcome = run_link_test(
+        comm, plan.pairwise, plan.options, layout, limits, plan.spec, write_pairs
+    )
+    write_pairs(outcome.rows)  # every pair, in pairs.csv's order (the rounds done so far were kept as it ran)
     elements.extend(outcome.elements)
     wrong = comm.all_gather_object(outcome.wrong if comm.rank == 0 else 0)[0]
     if wrong:

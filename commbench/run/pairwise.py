@@ -272,7 +272,8 @@ def run_pairwise(
     per ordered pair and test: src, dst, test, size_bytes, iters, time_us, wrong), [] elsewhere.
 
     ``rounds`` defaults to the full schedule; the confirmation reruns pass only the flagged pairs.
-    ``progress(round_index, rounds)`` is called on rank 0 after each round."""
+    ``progress(rounds_done, rounds, samples)`` is called on rank 0 after each round, with every sample of
+    the rounds done (gathered round by round: what finished is on rank 0 if the run is stopped later)."""
     job.check(comm.world_size)
     rounds = rounds if rounds is not None else round_robin_rounds(comm.world_size)
     schedule = [list(pairs) for pairs in rounds]
@@ -284,19 +285,21 @@ def run_pairwise(
         if mine is not None:
             peer = mine[1] if comm.rank == mine[0] else mine[0]
             buffers = _buffers(comm.rank, peer, size, comm.device)
+        received = []
         for window in windows(job):
             sample = _run_window(comm, window, mine, job, opts, buffers)
             if sample is not None:
-                samples.append({**sample, "round": index})
+                received.append({**sample, "round": index})
+        gathered = comm.gather_object(received)  # after the round's windows: it times nothing
+        if gathered is not None:
+            samples += [row for rows in gathered for row in rows]
         if progress is not None and comm.rank == 0:
-            progress(index + 1, len(schedule))
-    gathered = comm.gather_object(samples)
-    if gathered is None:
-        return []
-    return sorted((row for rows in gathered for row in rows), key=_row_order)
+            progress(index + 1, len(schedule), samples)
+    return sorted(samples, key=row_order) if comm.rank == 0 else []
 
 
-def _row_order(row: dict[str, Any]) -> tuple[int, int, int]:
+def row_order(row: dict[str, Any]) -> tuple[int, int, int]:
+    """pairs.csv's order: by test, then source and destination rank."""
     return PAIR_TESTS.index(row["test"]), int(row["src"]), int(row["dst"])
 
 

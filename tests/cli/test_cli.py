@@ -232,7 +232,7 @@ def test_unexpected_errors_are_one_line_with_debug_hint(
 ) -> None:
     import commbench.report
 
-    def boom(_dir: str) -> None:
+    def boom(*_args: object) -> None:
         raise RuntimeError("first line\nsecond line of a rank's traceback")
 
     monkeypatch.setattr(commbench.report, "render_report", boom)

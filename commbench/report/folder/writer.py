@@ -55,6 +55,7 @@ from commbench.report.folder.reading import (
     read_rows,
     read_saved_verdict,
 )
+from commbench.report.folder.stopped import discard_unfinished
 from commbench.report.frame import (
     CONVENTIONS,
     average_bus_bandwidth,
@@ -79,6 +80,12 @@ from commbench.run.config import meta_values
 Judge = Callable[[pd.DataFrame, pd.DataFrame, dict[str, Any]], Verdict]
 
 INCOMPLETE_REASON_CHARS = 300  # a reason is one line (e.g. "stopped by SIGTERM after 3 of 8 cases")
+# What ``commbench report`` says of a launch's folder that has neither a verdict nor an INCOMPLETE mark: no
+# process of the run got to finish it (all killed at once), unless the run is still going.
+UNFINISHED_REASON = (
+    "the run ended without finishing its report (its processes were killed: SIGKILL, the out-of-memory "
+    "killer, a lost node), or it is still running"
+)
 
 
 def spec_figures(spec: SystemSpec) -> dict[str, Any]:
@@ -223,20 +230,27 @@ class ReportWriter:
         frame = pd.DataFrame(rows)
         self._write(self.out_dir / name, csv_text(file_records(frame), list(frame.columns), header=True))
 
-    def finalize(self, incomplete: str | None = None, judge: Judge | None = None) -> pd.DataFrame:
+    def finalize(
+        self, incomplete: str | None = None, judge: Judge | None = None, discard: OutDirClaim | None = None
+    ) -> pd.DataFrame | None:
         """Render the folder (``render_folder``: results.parquet, results.json, the verdict of ``judge``,
         summary.md and report.html from the files written); return the results frame (``attrs["verdict"]``:
         the verdict, ``attrs["meta"]``: meta.json).
 
         ``incomplete``: the run was stopped (a signal, a failure) and this is why, in one line: meta.json gets
-        ``status: "incomplete"`` and ``incomplete_reason``, and the pages say INCOMPLETE at the top. After a
-        failed write nothing is written (the rows on disk are still returned)."""
+        ``status: "incomplete"`` and ``incomplete_reason``, and the pages say INCOMPLETE at the top
+        (``mark_incomplete``; with ``discard``, a stop that finished nothing leaves no folder: None). After
+        a failed write nothing is written (the rows on disk are still returned)."""
         if self._failed is not None:
             frame = results_frame(_rows_on_disk(self.out_dir), self.spec)
             frame.attrs["meta"] = self.meta  # the stdout table's header reads it (report.console)
             return frame
-        frame = self._guarded(lambda: render_folder(self.out_dir, judge=judge, incomplete=incomplete))
-        self.meta = frame.attrs["meta"]
+        if incomplete is None:
+            frame = self._guarded(lambda: render_folder(self.out_dir, judge=judge))
+        else:
+            frame = self._guarded(lambda: mark_incomplete(self.out_dir, incomplete, judge, discard))
+        if frame is not None:
+            self.meta = frame.attrs["meta"]
         return frame
 
 
@@ -249,7 +263,11 @@ def _rows_on_disk(out_dir: Path) -> pd.DataFrame:
 
 
 def render_folder(
-    out_dir: str | os.PathLike[str], *, judge: Judge | None = None, incomplete: str | None = None
+    out_dir: str | os.PathLike[str],
+    *,
+    judge: Judge | None = None,
+    incomplete: str | None = None,
+    unfinished_judge: Callable[[dict[str, Any]], Judge | None] | None = None,
 ) -> pd.DataFrame:
     """Render a report folder from its files: results.parquet, results.json, summary.md and report.html
     (+ verdict.json and junit.xml from ``judge``'s verdict; without a judge the folder's own verdict.json is
@@ -261,12 +279,20 @@ def render_folder(
     stopped run may have no results.csv yet. Every file is checked (``read_folder``) and every page built in
     memory before the first is written, so a folder that is refused (UsageError naming the file) is left
     exactly as it was. Returns the results frame: ``attrs["meta"]`` (meta.json as rendered),
-    ``attrs["verdict"]`` and ``attrs["incomplete"]`` (the reason of a stopped run, else None)."""
+    ``attrs["verdict"]`` and ``attrs["incomplete"]`` (the reason of a stopped run, else None).
+
+    ``unfinished_judge`` (a re-render: ``commbench report``): a launch's folder that has neither a verdict
+    nor an INCOMPLETE mark was left by a run no process of which could finish it (killed whole): it is shown
+    INCOMPLETE (``UNFINISHED_REASON``; meta.json is not rewritten) and judged by ``unfinished_judge(meta)``,
+    whose verdict.json and junit.xml are written (the folder had none)."""
     path = Path(out_dir)
     folder = read_folder(path, stopped=incomplete is not None)
     meta = folder.meta
     if incomplete is not None:
         meta = {**meta, "status": "incomplete", "incomplete_reason": _one_line_reason(incomplete)}
+    elif unfinished_judge is not None and folder.verdict is None and _ended_unfinished(meta):
+        meta = {**meta, "status": "incomplete", "incomplete_reason": UNFINISHED_REASON}
+        judge = judge or unfinished_judge(meta)
     spec = spec_from_meta(meta, str(path / "meta.json"))
     frame = results_frame(folder.results, spec)
     frame.attrs["meta"] = meta  # the stdout table's header reads it (report.console)
@@ -284,17 +310,32 @@ def render_folder(
     return frame
 
 
-def render_report(out_dir: str | os.PathLike[str]) -> pd.DataFrame:
-    """``commbench report DIR``: ``render_folder(DIR)`` (the folder's own verdict shown again)."""
-    return render_folder(out_dir)
+def render_report(
+    out_dir: str | os.PathLike[str], unfinished_judge: Callable[[dict[str, Any]], Judge | None] | None = None
+) -> pd.DataFrame:
+    """``commbench report DIR``: ``render_folder(DIR)`` (the folder's own verdict shown again; a run killed
+    whole judged by ``unfinished_judge``)."""
+    return render_folder(out_dir, unfinished_judge=unfinished_judge)
+
+
+def _ended_unfinished(meta: Mapping[str, Any]) -> bool:
+    """meta.json of a launch (it records what the verdict judges by) that was never finished: no INCOMPLETE
+    mark (the folder has no verdict either: the caller checks)."""
+    return isinstance(meta.get("acceptance"), Mapping) and meta.get("status") != "incomplete"
 
 
 def mark_incomplete(
-    out_dir: str | os.PathLike[str], reason: str, judge: Judge | None = None
+    out_dir: str | os.PathLike[str],
+    reason: str,
+    judge: Judge | None = None,
+    discard: OutDirClaim | None = None,
 ) -> pd.DataFrame | None:
-    """Finish a stopped run's folder from outside its writer (the launcher, when rank 0 was killed before it
-    could call ``finalize(incomplete=...)``): ``render_folder(DIR, judge=judge, incomplete=reason)``. None
-    (nothing written) when rank 0 never wrote meta.json."""
+    """The one end of a stopped (or failed) run's folder, whoever finishes it (rank 0's ``finalize``, or the
+    launcher when rank 0 was killed first): ``render_folder(DIR, judge=judge, incomplete=reason)``; or, with
+    ``discard`` (the claim of a stopped run's own new folder) and nothing finished, no folder at all
+    (``discard_unfinished``). None when nothing was rendered (discarded, or rank 0 never wrote meta.json)."""
+    if discard is not None and discard_unfinished(discard):
+        return None
     if not (Path(out_dir) / "meta.json").exists():
         return None
     return render_folder(out_dir, judge=judge, incomplete=reason)

@@ -40,7 +40,6 @@ from commbench.errors import (
     StoppedError,
     UsageError,
     VerificationError,
-    signal_name,
 )
 from commbench.inputs.limits import Floor, Limits
 from commbench.inputs.specs import SystemSpec
@@ -128,7 +127,8 @@ def run_status_from_error(error: BaseException | None) -> RunStatus:
     first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
     text = " ".join(first.split())[:300] or type(error).__name__
     if isinstance(error, StoppedError):
-        return RunStatus("interrupted", f"stopped by {signal_name(error.signum)}", error.signum)
+        # "stopped by SIGTERM", or "the launcher (pid 12) is gone": what the report's INCOMPLETE says too.
+        return RunStatus("interrupted", error.reason, error.signum)
     if isinstance(error, KeyboardInterrupt):
         return RunStatus("interrupted", "stopped by SIGINT", 2)
     if isinstance(error, CommError):

@@ -379,3 +379,31 @@ def test_mark_incomplete_finishes_a_folder_whose_rank_0_was_killed(tmp_path: Pat
     claimed = claim_out_dir(tmp_path / "nothing-written")
     assert mark_incomplete(claimed.path, "stopped") is None
     assert sorted(p.name for p in claimed.path.iterdir()) == [MARKER]
+
+
+def test_a_stop_that_finished_nothing_leaves_no_folder_one_with_rows_keeps_them(tmp_path: Path) -> None:
+    # A new folder the run claimed: meta.json and the claim removed, the folder and its new parents too.
+    claim = claim_out_dir(tmp_path / "new" / "run")
+    ReportWriter(claim.path, {"args": {}}, HGX, claim=claim.token)
+    assert mark_incomplete(claim.path, "stopped by SIGINT", discard=claim) is None
+    assert not (tmp_path / "new").exists()
+    # An existing empty folder given with --out is left as it was: empty.
+    given = tmp_path / "given"
+    given.mkdir()
+    claim = claim_out_dir(given)
+    ReportWriter(given, {"args": {}}, HGX, claim=claim.token).finalize("stopped by SIGTERM", discard=claim)
+    assert given.is_dir() and list(given.iterdir()) == []
+    # One finished row: nothing is removed, the folder is finished INCOMPLETE.
+    claim = claim_out_dir(tmp_path / "rows")
+    writer = ReportWriter(claim.path, {"args": {}}, HGX, claim=claim.token)
+    rows = skewed_rows()[:1]
+    writer.add(rows, all_rank_rows(rows))
+    frame = writer.finalize("stopped by SIGHUP", discard=claim)
+    assert frame is not None and len(frame) == 1 and frame.attrs["incomplete"] == "stopped by SIGHUP"
+    assert (claim.path / MARKER).exists() and (claim.path / "summary.md").exists()
+    # A file the run did not write (someone else's) keeps the folder whole, marked INCOMPLETE.
+    claim = claim_out_dir(tmp_path / "foreign")
+    ReportWriter(claim.path, {"args": {}}, HGX, claim=claim.token)
+    (claim.path / "notes.txt").write_text("mine")
+    assert mark_incomplete(claim.path, "stopped by SIGINT", discard=claim) is not None
+    assert (claim.path / "notes.txt").read_text() == "mine" and (claim.path / "meta.json").exists()
