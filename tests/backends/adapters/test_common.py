@@ -81,3 +81,16 @@ def test_an_adapter_puts_its_ranks_on_nccl_with_a_gpu_each(monkeypatch):
         PplxBackend.check_available()
     finally:
         remove_modules("pplx_kernels")
+
+
+def test_the_host_read_watch_sees_a_read_made_by_adapter_code():
+    """The watch every adapter test runs its timed rounds under (drive.HostReads) is not blind: PeerShape.of
+    (set-up code, where host reads are fine) reads each plan's row counts with int(), and it is seen; a read
+    made outside the adapters (here, the test itself) is not."""
+    from tests.backends.adapters.drive import HostReads
+
+    reads = HostReads()
+    with reads.watching():
+        PeerShape.of(plans("selection"))
+        torch.tensor([1, 2]).tolist()
+    assert reads.found and all(found.startswith("common.py:") for found in reads.found)
