@@ -104,9 +104,9 @@ DEEP_EP = (
 # low-latency one counts a BF16 dispatch as hidden x 2 bytes per selection, no header (test_low_latency.py:
 # 424-430), though its kernel sends one (ep/src/internode_ll.cu:105-106).
 _UCCL_LL_DISPATCH = (
-    "one message per (token, expert) selection of the rank, local experts included: hidden x 2 "
+    "one message per (token, expert) selection of the rank, local experts included: hidden x 2 bytes (its "
+    "test counts no header for a BF16 dispatch)"
 )
-_UCCL_LL_DISPATCH += "bytes (its test counts no header for a BF16 dispatch)"
 UCCL_EP = tuple(
     replace(
         item,

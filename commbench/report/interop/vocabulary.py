@@ -154,7 +154,10 @@ def _bytes_formula(item: LibraryBandwidth) -> str:
     "max_send_bytes x (row_bytes + 16) / row_bytes"."""
     extra = " + ".join(
         part
-        for part in (str(item.extra_bytes_per_row) if item.extra_bytes_per_row else "", item.extra_bytes_column)
+        for part in (
+            str(item.extra_bytes_per_row) if item.extra_bytes_per_row else "",
+            item.extra_bytes_column,
+        )
         if part
     )
     return f"{item.bytes_column} x (row_bytes + {extra}) / row_bytes" if extra else item.bytes_column
