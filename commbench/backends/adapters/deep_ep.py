@@ -76,6 +76,7 @@ NVL_PEERS = 8  # LEGACY_NUM_MAX_NVL_PEERS (compiled.cuh:5): the normal kernels' 
 LL_MESSAGE_HEADER_BYTES = 16  # sizeof(int4) before each low-latency message (internode_ll.cu:180)
 LL_DEFAULT_QP_DEPTH = 1024  # legacy.py:113: NVSHMEM_QP_DEPTH unless the environment sets it
 ELASTIC_MAX_TOPK = 32  # csrc/elastic/buffer.hpp:662 ("lots of `kNumTopk <= 32` restrictions")
+ELASTIC_MAX_SMS = 160  # csrc/elastic/buffer.hpp:58 kNumMaxSMs, asserted at :853
 ELASTIC_MIN_TORCH = (2, 10)  # README.md, Requirements (DeepEP V2)
 ELASTIC_MIN_NCCL = (2, 30, 4)  # README.md, Requirements: "NCCL 2.30.4 and above"
 LL_WARPS_PER_SM = 32  # internode_ll.cu:494-497: ceil(experts / SMs) warp groups of 32 / groups warps
@@ -655,6 +656,17 @@ class DeepEpBackend(DispatcherBackend):
                 f"--backend {self.name} mode=elastic takes at most {ELASTIC_MAX_TOPK} top-k entries per "
                 "token "
                 f"(csrc/elastic/buffer.hpp:662); this routing has {topk}"
+            )
+        sms = self.settings["num_sms"]
+        device = self.comm.device
+        limit = (
+            torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
+        )
+        if sms > ELASTIC_MAX_SMS or (limit is not None and sms > limit):
+            raise UsageError(
+                f"backend {self.name} option num_sms={sms}: mode=elastic runs at most {ELASTIC_MAX_SMS} SMs "
+                f"(kNumMaxSMs, csrc/elastic/buffer.hpp:58, 853) and this GPU's own "
+                f"({limit if limit is not None else 'all'}, :979); lower it or leave it 0"
             )
         self._replace_buffer(
             (ELASTIC, shape.max_tokens, hidden, topk),
