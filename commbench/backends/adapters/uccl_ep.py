@@ -25,13 +25,8 @@ from importlib import metadata
 from typing import Any, ClassVar
 
 from commbench.backends.adapters.bandwidth import UCCL_EP
-from commbench.backends.adapters.deep_ep import (
-    LOW_LATENCY,
-    NORMAL,
-    DeepEpBackend,
-    LegacyLimits,
-    deep_ep_options,
-)
+from commbench.backends.adapters.deep_ep import DeepEpBackend
+from commbench.backends.adapters.deep_ep_rules import LOW_LATENCY, NORMAL, LegacyLimits, deep_ep_options
 from commbench.backends.options import BackendOption
 from commbench.errors import UsageError
 
