@@ -93,6 +93,9 @@ def parse_skew(text: str) -> SkewSpec:
 # tokens x top-k ids (DeepSeek-V3, 64 ranks x 4096 tokens x top-8: 2M selections, 16 MiB as int64); these
 # leave 30x room yet keep what one process holds (ids + weights + a sorted copy) to ~1.5 GiB.
 MAX_TRACE_FILE_BYTES = 1 << 30
+# A trace's id of a selection that was dropped (DeepEP's topk_idx convention, as --mask-ratio and
+# --capacity-factor produce): the selection moves no traffic.
+DROPPED_ID = -1
 MAX_TRACE_SELECTIONS = 1 << 26  # elements of topk_ids (and of topk_weights)
 MAX_TRACE_TOKENS = 1 << 24
 _MAX_NPZ_MEMBERS = 64  # topk_ids and topk_weights; more is not a trace (and each costs zipfile memory)
@@ -101,7 +104,8 @@ _MAX_PARQUET_CHUNKS = 1 << 20  # row groups x columns walked in the footer
 
 @dataclass(frozen=True)
 class Trace:
-    """A routing trace: ``topk_ids`` int64 [T, k], optional ``topk_weights`` float32 [T, k]."""
+    """A routing trace: ``topk_ids`` int64 [T, k] (``DROPPED_ID`` = a dropped selection), optional
+    ``topk_weights`` float32 [T, k]."""
 
     path: str
     topk_ids: np.ndarray
@@ -340,13 +344,15 @@ def _check_ids(path: str, ids: np.ndarray, num_experts: int, topk: int) -> np.nd
         raise _too_big(path, "topk_ids", ids.shape[0], MAX_TRACE_TOKENS, "tokens")
     # Range on the file's own dtype: a uint64 id above 2^63 would wrap negative once cast to int64.
     low, high = ids.min(), ids.max()
-    if low < 0 or high >= num_experts:
+    if low < DROPPED_ID or high >= num_experts:
         raise UsageError(
-            f"{where}: expert ids span {low}..{high}; the model has experts 0..{num_experts - 1} "
-            "(was the trace recorded with another model?)"
+            f"{where}: expert ids span {low}..{high}; the model has experts 0..{num_experts - 1}, and "
+            f"{DROPPED_ID} marks a dropped selection (was the trace recorded with another model?)"
         )
     ids = np.array(ids, dtype=np.int64, order="C")  # own copy: parquet buffers are read-only views
-    ordered = np.sort(ids, axis=1)
+    # Dropped selections (-1) may repeat within a token: each gets its own stand-in below -1 for the test.
+    stand_in = DROPPED_ID - 1 - np.arange(ids.shape[1], dtype=np.int64)
+    ordered = np.sort(np.where(ids >= 0, ids, stand_in), axis=1)
     repeated = (ordered[:, 1:] == ordered[:, :-1]).any(axis=1)
     if repeated.any():
         token = int(np.flatnonzero(repeated)[0])

@@ -20,7 +20,10 @@ KINDS = (COMMUNICATION, COMPUTE)
 
 @dataclass(frozen=True)
 class LibraryBandwidth:
-    """One figure a library prints: ``bytes_column`` / ``time_column`` of a result row."""
+    """One figure a library prints: ``bytes_column`` / ``time_column`` of a result row, the bytes counted as
+    the library counts them: each of the row's rows (``bytes_column`` / ``row_bytes``) plus what the library
+    sends with it, ``extra_bytes_per_row`` (a message header) and the row's ``extra_bytes_column`` (per-token
+    metadata whose size the adapter reports as a column, e.g. top-k ids and weights)."""
 
     library: str  # "DeepEP"
     phase: str  # "dispatch" | "combine"
@@ -30,6 +33,8 @@ class LibraryBandwidth:
     bytes_meaning: str  # what the library counts
     time_meaning: str  # what the library times
     modes: tuple[str, ...] = ()  # the adapter's ``mode`` knob values it applies to; () = every mode
+    extra_bytes_per_row: int = 0  # bytes the library sends with every row (DeepEP low-latency: 16)
+    extra_bytes_column: str = ""  # a row column: more bytes per row (the adapter's knob), "" = none
 
     def applies(self, phase: str, mode: str) -> bool:
         return phase == self.phase and (not self.modes or mode in self.modes)

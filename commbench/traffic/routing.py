@@ -415,7 +415,7 @@ def route_rank(cfg: RoutingConfig, rank: int) -> Routing:
         else:
             ids, times = route_chunk(race, model, stop - start, rng)
             affinity = torch.exp(-times).float()
-        keep = torch.ones(ids.shape, dtype=torch.bool)
+        keep = ids >= 0  # a trace's dropped selections (-1) stay dropped
         if cfg.mask_ratio > 0:
             keep &= torch.from_numpy(mask_rng.random(ids.shape) >= cfg.mask_ratio)
         if cfg.capacity is not None:

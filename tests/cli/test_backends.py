@@ -44,6 +44,6 @@ def test_json_says_why_each_adapter_is_unavailable_and_which_api_it_follows():
             assert entry["reason"].startswith(f"--backend {name} needs")
     knobs = {knob["name"]: knob for knob in entries["deep-ep"]["knobs"]}
     assert (
-        knobs["mode"]["choices"] == ["normal", "low_latency", "hybrid"]
+        knobs["mode"]["choices"] == ["normal", "low_latency", "hybrid", "elastic"]
         and knobs["num_sms"]["maximum"] == 1024
     )

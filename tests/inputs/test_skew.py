@@ -108,7 +108,7 @@ def test_parquet_numbered_columns(tmp_path):
         (np.zeros((5, 3), dtype=np.int64) + np.arange(3), "shape [5, 3]"),
         (np.arange(8), "shape [8]"),
         (np.array([[0, 1], [2, 16]]), "span 0..16"),
-        (np.array([[0, 1], [-1, 3]]), "span -1..3"),
+        (np.array([[0, 1], [-2, 3]]), "span -2..3"),
         (np.array([[0, 1], [3, 3]]), "token 1 repeats"),
         (np.array([[0.0, 1.0]]), "must be integer expert ids"),
         (np.zeros((0, 2), dtype=np.int64), "no tokens"),
@@ -120,6 +120,16 @@ def test_malformed_npz(tmp_path, ids, words):
     with pytest.raises(UsageError) as info:
         load_trace(str(path), num_experts=16, topk=2)
     assert words in str(info.value) and str(path) in str(info.value)
+
+
+def test_a_trace_may_mark_dropped_selections_with_minus_one(tmp_path):
+    """DeepEP's topk_idx convention (deep_ep/buffers/legacy.py, Buffer.dispatch docstring: "`-1` means no
+    selections"), as --mask-ratio and --capacity-factor produce: -1 is read, even twice in one token."""
+    ids = np.array([[0, 5], [-1, 3], [-1, -1]])
+    path = tmp_path / "dropped.npz"
+    np.savez(path, topk_ids=ids)
+    trace = load_trace(str(path), num_experts=16, topk=2)
+    assert trace.topk_ids.tolist() == ids.tolist()
 
 
 def test_pickled_object_array_is_never_loaded(tmp_path):

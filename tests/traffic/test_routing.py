@@ -384,6 +384,20 @@ def test_trace_replay(tmp_path):
     assert wrapped.topk_ids.tolist() == ids[[8, 9, 0, 1]].tolist()
 
 
+def test_a_traces_dropped_selections_move_nothing_and_weigh_nothing(tmp_path):
+    """-1 in a trace (a dropped selection, as DeepEP's topk_idx and the mask/capacity paths): the id stays
+    -1, its weight 0, and the token's kept weights still sum to 1."""
+    ids = np.array([[0, 3], [-1, 6], [-1, -1], [2, 5]])
+    weights = np.array([[1, 3], [5, 1], [2, 2], [1, 1]], dtype=np.float32)
+    path = tmp_path / "dropped.npz"
+    np.savez(path, topk_ids=ids, topk_weights=weights)
+    cfg = config(model=MIXTRAL, skew=f"trace:{path}", world=2, tokens=4)
+    routing = route_rank(cfg, 0)
+    assert_valid(routing, cfg)
+    assert routing.topk_ids.tolist() == ids.tolist()
+    assert routing.topk_weights[1].tolist() == [0.0, 1.0] and routing.topk_weights[2].tolist() == [0, 0]
+
+
 def test_parquet_trace_without_weights_and_masking(tmp_path):
     ids = np.tile(np.array([[3, 0], [1, 6]]), (50, 1))
     path = tmp_path / "trace.parquet"

@@ -20,13 +20,22 @@ Order. A library receives rows in its own layout (per expert, per channel, ...).
 source-rank order, each source's rows in the order it sent them (token mode: tokens ascending; selection
 mode: by (expert, token)). Every row starts with its source rank and token index (``traffic.payload``), so
 ``order_keys`` sorts by (source, slot the library put the row in, token): a row the library misdelivered
-lands out of place and verification counts it. When the library's order already is commbench's (DeepEP
-normal intranode), nothing is copied; else one gather of the received rows runs inside the timed call, as
-a framework's un-permute would.
+lands out of place and verification counts it. A mode whose library documents commbench's order (DeepEP's
+normal kernels: ``LIBRARY_ORDER = SOURCE_ORDER``) is checked once at set-up (one untimed dispatch of the
+job's own rows, headers read on the host); when it holds, nothing is copied in the timed calls. Every
+other layout is put in order by one gather inside the timed call, as a framework's un-permute would, with
+its keys sorted on the device: no host sync is added to what the library's own benchmark times.
 
 Counts. These libraries exchange their counts inside their dispatch call (timed); commbench's own
 ``recv_counts`` (which the harness uses to derive expert outputs) come from every rank's plan, as the
-expected rows do, so ``exchange_counts`` adds no collective.
+expected rows do, so ``exchange_counts`` adds no collective. The same plans give, at set-up, how many rows
+arrive (``expected_rows``) and how many at each local expert (``expected_slot_rows``): the timed calls
+take the valid part of a library's receive buffer from them, never by reading the library's device-side
+counts back to the host (a slot the library left unwritten holds the poison, which verification counts).
+
+Set-up. Each adapter refuses what its library cannot run before the library is called (the preconditions
+read in its source, listed in docs/plugins.md), and any AssertionError the library still raises while the
+buffers are built is one line (``UsageError``, exit 2) naming the library's own words and where it raised.
 
 Combine. Each library reduces in bf16 (or fp16) and hands back bf16: the rows returned here are that
 output widened to float32, so they carry bf16 rounding, about 2^-8 relative (``combine_rtol``). Where the
@@ -37,8 +46,11 @@ it weights on the token's side (low-latency kernels, pplx-kernels), the token ow
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Sequence
+import os
+import traceback
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
@@ -49,10 +61,16 @@ import torch.distributed as dist
 from commbench.backends.base import grown_buffer
 from commbench.backends.options import DeclaredOptions
 from commbench.errors import UsageError
+from commbench.hardware.probes import local_place
+from commbench.inputs.layout import Layout, build_layout
 from commbench.run.interface import Backend
-from commbench.traffic.payload import HEADER_BYTES, poison_
+from commbench.traffic.payload import HEADER_BYTES, encode_rows, poison_
 from commbench.traffic.plan import RankPlan
 
+# How a library lays out the rows it received (``DispatcherBackend.LIBRARY_ORDER``): commbench's own order
+# (by source rank, each source's rows as it sent them), checked once at set-up; or any order, sorted on the
+# device in every call.
+SOURCE_ORDER, ANY_ORDER = "source", "any"
 ROW_ALIGN_BYTES = 16
 # Bounds of the buffer-size and SM knobs: far beyond any GPU, they only refuse typos.
 MAX_BUFFER_BYTES = 1 << 40
@@ -141,6 +159,55 @@ def expert_major_slots(
     return expert * capacity + within, expert
 
 
+def rank_layout(comm: Any) -> Layout:
+    """Collective: where every rank runs (host, NVLink domain: the GPU fabric clique where NVML reports one,
+    else the host), from each rank's ``local_place``, the same on every rank. The hardware's own places:
+    the --ranks-per-domain overrides are what-ifs for the report, not where the library's peers are."""
+    device = getattr(comm, "device", None)
+    index = device.index if device is not None and device.type == "cuda" else None
+    places = comm.all_gather_object(local_place(index))
+    return build_layout(comm.world_size, discovered=places)
+
+
+def peer_groups(world_size: int, per_group: int) -> list[range]:
+    """Consecutive rank groups of ``per_group`` (the whole world when it is smaller): the ranks a library
+    connects through NVLink (DeepEP's normal kernels: each 8 consecutive ranks)."""
+    size = min(world_size, per_group)
+    return [range(first, min(first + size, world_size)) for first in range(0, world_size, size)]
+
+
+def group_reach(layout: Layout, group: range) -> tuple[int, int]:
+    """(NVLink domains, hosts) the ranks of ``group`` span."""
+    ranks = list(group)
+    return len(set(layout.domain_of_rank[ranks].tolist())), len(set(layout.host_of_rank[ranks].tolist()))
+
+
+def next_power_of_two(value: int) -> int:
+    return 1 << max(0, int(value) - 1).bit_length()
+
+
+@contextlib.contextmanager
+def library_refusals(backend: str, library: str, what: str = "set-up") -> Iterator[None]:
+    """An AssertionError of the library while its buffers are built, or a C++ assertion it raised as a
+    RuntimeError (DeepEP's EP_HOST_ASSERT: "Assertion error <file>:<line> '<condition>'"), becomes one line
+    (UsageError, exit 2) with the library's own words and where it raised, instead of a traceback."""
+    try:
+        yield
+    except AssertionError as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+        words = " ".join(str(exc).split())[:300] or "assert failed"
+        raise UsageError(
+            f"--backend {backend}: {library} refused the {what}{where}: {words} (a precondition commbench "
+            "does not check yet; see docs/plugins.md for the ones it does)"
+        ) from None
+    except RuntimeError as exc:
+        text = " ".join(str(exc).split())
+        if "assert" not in text.lower():
+            raise
+        raise UsageError(f"--backend {backend}: {library} refused the {what}: {text[:300]}") from None
+
+
 class DispatcherBackend(DeclaredOptions, Backend):
     """A backend that drives another library's dispatch/combine (the subclasses: one per library).
 
@@ -154,6 +221,8 @@ class DispatcherBackend(DeclaredOptions, Backend):
     DISPLAY: ClassVar[str] = ""
     INSTALL: ClassVar[str] = ""
     API_VERSION: ClassVar[str] = ""
+    # The receive order the library promises (module docstring, "Order"): SOURCE_ORDER is checked at set-up.
+    LIBRARY_ORDER: ClassVar[str] = ANY_ORDER
     # The library needs its ranks on NCCL with one GPU each, and its figures are a GPU fabric's (judged).
     process_group: ClassVar[str] = "nccl"
     gpu_fabric: ClassVar[bool] = True
@@ -197,6 +266,14 @@ class DispatcherBackend(DeclaredOptions, Backend):
         self._rows: torch.Tensor | None = None
         self._combined: torch.Tensor | None = None
         self._weighted: torch.Tensor | None = None
+        # What arrives here, from every rank's plan (module docstring, "Counts"): host integers.
+        self.expected_rows = 0
+        self.expected_slot_rows: list[int] = []
+        self._slots: tuple[int, torch.Tensor, torch.Tensor] | None = None  # (capacity, index, slot)
+        self._in_order = False  # set-up found the library's order to be commbench's
+        self._probing = False
+        self._probe_sorted = False
+        self._layout: Layout | None = None
 
     @property
     def library_version(self) -> str:
@@ -217,12 +294,43 @@ class DispatcherBackend(DeclaredOptions, Backend):
             )
         me = self.comm.rank
         self.shape = shape
-        self._recv_counts = torch.stack([peer.send_counts[me].cpu() for peer in self._peers]).to(
-            self.comm.device
-        )
-        self.topk_idx, self.topk_weights = routed_tokens(plan, shape.topk)
+        recv_counts = torch.stack([peer.send_counts[me].cpu() for peer in self._peers])
+        self.expected_rows = int(recv_counts.sum())
+        self.expected_slot_rows = [int(count) for count in recv_counts.sum(dim=0).tolist()]
+        self._slots = None
+        self._recv_counts = recv_counts.to(self.comm.device)
+        topk_idx, self.topk_weights = routed_tokens(plan, shape.topk)
+        self.topk_idx = topk_idx.to(self.index_dtype())
         self._held = {}
-        self.prepare(plan, shape)
+        with library_refusals(self.name, self.DISPLAY):
+            self.prepare(plan, shape)
+            self._in_order = self.library_order() == SOURCE_ORDER and self._check_order(plan)
+
+    def library_order(self) -> str:
+        """How the library lays out the rows it received (``SOURCE_ORDER`` or ``ANY_ORDER``)."""
+        return self.LIBRARY_ORDER
+
+    def index_dtype(self) -> torch.dtype:
+        """The dtype the library takes top-k expert ids in (int64 unless it says otherwise)."""
+        return torch.int64
+
+    def layout(self) -> Layout:
+        """Where every rank runs (``rank_layout``), gathered at the first set-up that needs it."""
+        if self._layout is None:
+            self._layout = rank_layout(self.comm)
+        return self._layout
+
+    def _check_order(self, plan: RankPlan) -> bool:
+        """One untimed dispatch of this job's own rows: whether the library handed them back in commbench's
+        order (read on the host, once), so the timed calls copy nothing. Collective, as dispatch is."""
+        tokens = encode_rows(self.comm.rank, torch.arange(plan.num_tokens), plan.dispatch_row_bytes)
+        self._probing, self._probe_sorted = True, True
+        try:
+            self.dispatch(tokens.to(self.comm.device), plan, self._recv_counts)
+        finally:
+            self._probing = False
+        self.poison_receive_buffers()
+        return self._probe_sorted
 
     def prepare(self, plan: RankPlan, shape: PeerShape) -> None:
         """The library's buffers for this job (untimed; every rank calls it at the same point)."""
@@ -244,29 +352,38 @@ class DispatcherBackend(DeclaredOptions, Backend):
                 poison_(buffer)
 
     def flat_rows(self, received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(rows in commbench's order, the permutation applied or None) of a flat receive buffer (uint8
-        [n, row_bytes]); no copy when the library's order already is commbench's."""
+        """(rows in commbench's order, the permutation applied or None) of the rows a library received
+        (uint8 [n, row_bytes]; a caller slices a buffer of capacity rows to ``expected_rows``): no copy when
+        set-up found the library's order to be commbench's, else one gather by keys sorted on the device (no
+        host sync)."""
         with self.steps("unpack"):
-            keys = order_keys(received, 0, 1)
-            if keys.numel() < 2 or bool((keys[1:] >= keys[:-1]).all()):
+            if self._in_order:
                 return received, None
+            keys = order_keys(received, 0, 1)
+            if self._probing and keys.numel() > 1:  # set-up only: the one host read of the order
+                self._probe_sorted = bool((keys[1:] >= keys[:-1]).all())
             permutation = torch.argsort(keys, stable=True)
             return self.gather_rows(received, permutation), permutation
 
-    def expert_major_rows(
-        self, received: torch.Tensor, counts: Sequence[int]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def expert_major_rows(self, received: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows in commbench's order, their flat index into the buffer) of a per-expert receive buffer
-        (uint8 [experts, capacity, row_bytes], the first ``counts[e]`` rows of expert e valid)."""
+        (uint8 [experts, capacity, row_bytes]): expert e's first ``expected_slot_rows[e]`` rows, as every
+        rank's plan says (the library's own counts stay on the device)."""
         experts, capacity, row_bytes = received.shape
         flat = received.reshape(experts * capacity, row_bytes)
-        # A library that wrote nothing leaves poisoned counts (-1): no rows, which verification counts.
-        counts = [min(max(int(count), 0), capacity) for count in counts]
         with self.steps("unpack"):
-            index, expert = expert_major_slots(counts, capacity, received.device)
-            keys = order_keys(flat[:, :HEADER_BYTES].index_select(0, index), expert, experts)
+            index, slot = self.slot_index(capacity, received.device)
+            keys = order_keys(flat[:, :HEADER_BYTES].index_select(0, index), slot, experts)
             index = index[torch.argsort(keys, stable=True)]
             return self.gather_rows(flat, index), index
+
+    def slot_index(self, capacity: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat index, local expert) of the rows the plans send to each local expert of a per-expert
+        buffer of ``capacity`` rows per expert, built once per set-up."""
+        if self._slots is None or self._slots[0] != capacity:
+            counts = [min(count, capacity) for count in self.expected_slot_rows]
+            self._slots = (capacity, *expert_major_slots(counts, capacity, device))
+        return self._slots[1], self._slots[2]
 
     def gather_rows(self, source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         count = int(index.numel())

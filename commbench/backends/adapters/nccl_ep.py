@@ -12,11 +12,18 @@ master 5067397, read at the source (``nccl/ep/*.py``, ``contrib/nccl_ep/include/
   with ``DispatchInputs(tokens, topk_weights)`` into ``DispatchOutputs(tokens [slots, hidden], topk_weights,
   topk_idx)`` (received rows first, local expert indices, -1 unused), ``combine`` of ``[N(r), hidden]`` rows
   (a sum without weights in the forward pass: the expert side weights its rows with the received weights).
-  A token goes once per destination rank: ``--send-mode token`` (or the balanced all-to-all).
+  A token goes once per destination rank: ``--send-mode token`` (or the balanced all-to-all); each rank
+  stands as ``HT_EXPERTS_PER_RANK`` experts, a token's row addressed to the first, since HT's TMA loads a
+  node's experts' probabilities 16 bytes at a time (experts per node a multiple of 4, nccl_ep.cc:2690-2692).
 - ``mode=ll`` (``Algorithm.LOW_LATENCY``, ``Layout.EXPERT_MAJOR``): ``dispatch`` into ``[local experts,
   max tokens x ranks, hidden]`` with ``LayoutInfo(expert_counters)``, ``combine`` with
-  ``CombineOutputs(tokens, topk_weights)`` (weighted on the token's side). One row per selection; rows
-  travel as BF16 of the combine's hidden size both ways (BF16 dispatch rows).
+  ``CombineOutputs(tokens, topk_weights)`` (weighted on the token's side). One row per selection, as a
+  model's routing makes the kernel send: ``--send-mode selection``; rows travel as BF16 of the combine's
+  hidden size both ways (BF16 dispatch rows).
+
+Preconditions checked before NCCL EP is called (read at 5067397, file:line in docs/plugins.md): HT at most
+8192 tokens per rank (MAX_SUPPORTED_TOKENS_PER_RANK), LL hidden sizes of its SWITCH_HIDDEN, at most 9
+experts per token, and ``max_num_sms`` within the GPU and enough for the experts (at most 14 warp groups).
 
 Tokens are commbench's rows viewed as BF16 (``max_token_bytes`` = the larger row). Knobs: ``mode``,
 ``num_channels``, ``max_num_sms``, ``num_qp_per_rank``, ``rdma_buffer_size`` (0 = NCCL EP's choice), and in
@@ -47,6 +54,14 @@ from commbench.traffic.plan import RankPlan
 
 HT, LL = "ht", "ll"
 MAX_CHANNELS = 1024
+# Read at NVIDIA/nccl 5067397 (contrib/nccl_ep):
+HT_MAX_TOKENS = (
+    8192  # include/common.hpp:26 MAX_SUPPORTED_TOKENS_PER_RANK; nccl_ep.cc:1253-1255 asserts it (HT)
+)
+HT_EXPERTS_PER_RANK = 4  # nccl_ep.cc:2690-2692: experts per node x 4 bytes a multiple of 16 (TMA)
+LL_HIDDEN = (2048, 2560, 4096, 5120, 6144, 7168, 8192)  # device/macros.cuh:161-171 SWITCH_HIDDEN
+LL_MAX_TOPK = 9  # device/low_latency.cu:1022 kNumMaxTopK, :1951 kCombineMaxTopk
+LL_MAX_WARP_GROUPS = 14  # nccl_ep.cc:1301-1310: ceil(experts / max_num_sms) <= 14
 
 
 class NcclEpBackend(DispatcherBackend):
@@ -85,7 +100,6 @@ class NcclEpBackend(DispatcherBackend):
         self._permutation: torch.Tensor | None = None
         self._recv_weights = torch.zeros(0)
         self._index = torch.zeros(0, dtype=torch.int64)
-        self._count = 0
 
     @property
     def label(self) -> str:
@@ -107,11 +121,23 @@ class NcclEpBackend(DispatcherBackend):
             "nccl4py_version": self.library_version,
         }
 
-    def prepare(self, plan: RankPlan, shape: PeerShape) -> None:
+    def experts_per_rank(self, shape: PeerShape) -> int:
+        """The experts each rank stands as: HT's token mode HT_EXPERTS_PER_RANK (module docstring)."""
+        return HT_EXPERTS_PER_RANK if self.mode == HT else shape.experts_per_rank
+
+    def check_shape(self, shape: PeerShape) -> None:
+        """UsageError (one line) for what NCCL EP would assert on (module docstring)."""
         if self.mode == HT and shape.send_mode == "selection":
             raise UsageError(
                 f"--backend {self.name} mode=ht sends a token once per destination rank: use --send-mode "
                 "token (or mode=ll for one row per (token, expert))"
+            )
+        if self.mode == LL and shape.send_mode == "token":
+            raise UsageError(
+                f"--backend {self.name} mode=ll sends one message per (token, expert) selection, as a "
+                "model's top-k routing makes it; --send-mode token hands it the routing de-duplicated per "
+                "destination rank, so it would send fewer messages than the model's: use --send-mode "
+                "selection"
             )
         if self.mode == LL and shape.hidden and shape.row_bytes != 2 * shape.hidden:
             raise UsageError(
@@ -119,8 +145,49 @@ class NcclEpBackend(DispatcherBackend):
                 f"dispatch rows are {shape.row_bytes} B and its combine rows {2 * shape.hidden} B (FP8 "
                 "dispatch): use a model with dispatch_dtype bf16, or mode=ht"
             )
+        if self.mode == HT and shape.max_tokens > HT_MAX_TOKENS:
+            raise UsageError(
+                f"--backend {self.name} mode=ht takes at most {HT_MAX_TOKENS} tokens per rank "
+                f"(MAX_SUPPORTED_TOKENS_PER_RANK, contrib/nccl_ep/include/common.hpp:26); this job has "
+                f"{shape.max_tokens}: use --tokens {HT_MAX_TOKENS} or fewer"
+            )
+        if self.mode == LL:
+            self._check_ll(shape)
+
+    def _check_ll(self, shape: PeerShape) -> None:
+        hidden = shape.row_bytes // 2
+        if hidden not in LL_HIDDEN:
+            raise UsageError(
+                f"--backend {self.name} mode=ll runs hidden sizes {', '.join(map(str, LL_HIDDEN))} only "
+                f"(SWITCH_HIDDEN, contrib/nccl_ep/device/macros.cuh:161); this model's rows are {hidden} "
+                "BF16 elements: use a model of one of those hidden sizes, or mode=ht"
+            )
+        if shape.topk > LL_MAX_TOPK:
+            raise UsageError(
+                f"--backend {self.name} mode=ll takes at most {LL_MAX_TOPK} experts per token (kNumMaxTopK, "
+                f"contrib/nccl_ep/device/low_latency.cu:1022); this routing has {shape.topk}"
+            )
+        sms = self.settings["max_num_sms"]
+        if sms and -(-shape.num_experts // sms) > LL_MAX_WARP_GROUPS:
+            need = -(-shape.num_experts // LL_MAX_WARP_GROUPS)
+            raise UsageError(
+                f"backend {self.name} option max_num_sms={sms}: mode=ll needs at least {need} SMs for "
+                f"{shape.num_experts} experts (nccl_ep.cc:1301-1310); raise it or leave it 0"
+            )
+        device = self.comm.device
+        if sms and device.type == "cuda":
+            count = torch.cuda.get_device_properties(device).multi_processor_count
+            if sms > count:
+                raise UsageError(
+                    f"backend {self.name} option max_num_sms={sms} exceeds this GPU's {count} SMs "
+                    "(nccl_ep.cc:1297-1299)"
+                )
+
+    def prepare(self, plan: RankPlan, shape: PeerShape) -> None:
+        self.check_shape(shape)
         lib, device = self.lib, self.comm.device
-        key = (shape.num_experts, shape.max_tokens, shape.row_bytes, shape.hidden)
+        experts = shape.world_size * self.experts_per_rank(shape)
+        key = (experts, shape.max_tokens, shape.row_bytes, shape.hidden)
         if self.ep_group is None or key != self._key:
             self._destroy_group()
             if self.nccl_comm is None:
@@ -128,7 +195,7 @@ class NcclEpBackend(DispatcherBackend):
                 self.nccl_comm = interop.get_nccl_comm_from_group(self.group)
             config = lib.GroupConfig(
                 algorithm=lib.Algorithm.HIGH_THROUGHPUT if self.mode == HT else lib.Algorithm.LOW_LATENCY,
-                num_experts=shape.num_experts,
+                num_experts=experts,
                 max_dispatch_tokens_per_rank=shape.max_tokens,
                 max_recv_tokens_per_rank=shape.max_tokens * shape.world_size,
                 max_token_bytes=max(shape.row_bytes, 2 * shape.hidden),
@@ -140,6 +207,8 @@ class NcclEpBackend(DispatcherBackend):
             self.ep_group = lib.Group.create(self.nccl_comm, config)
             self._key = key
         self._destroy_handle()
+        if self.mode == HT:  # a token's row to the first of its destination rank's experts
+            self.topk_idx = torch.where(self.topk_idx >= 0, self.topk_idx * HT_EXPERTS_PER_RANK, -1)
         self.topk_tensor = lib.Tensor(self.topk_idx)
         self.weights_tensor = lib.Tensor(self.topk_weights)
         layout = lib.Layout.FLAT if self.mode == HT else lib.Layout.EXPERT_MAJOR
@@ -195,13 +264,10 @@ class NcclEpBackend(DispatcherBackend):
             )
         if self.mode == LL:
             self.hold(recv_tokens=self.recv_tokens, expert_counts=self.expert_counts)
-            rows, self._index = self.expert_major_rows(
-                self.recv_tokens.view(torch.uint8), self.expert_counts.tolist()
-            )
+            rows, self._index = self.expert_major_rows(self.recv_tokens.view(torch.uint8))
             return rows
         # The flat layout holds N(r) received rows first: as many as the plans send this rank.
-        self._count = int(recv_counts.sum())
-        count = self._count
+        count = self.expected_rows
         self.hold(recv_tokens=self.recv_tokens, recv_weights=self.recv_weights, recv_idx=self.recv_idx)
         with self.steps("weights"):
             self._recv_weights = local_weights(self.recv_idx[:count], self.recv_weights[:count])

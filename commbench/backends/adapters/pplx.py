@@ -13,7 +13,11 @@ Mapping. ``dp_x`` is commbench's uint8 rows as they are (``hidden_dim_bytes`` = 
 copies bytes; ``hidden_dim`` = the combine's BF16 elements), ``indices`` the plan's top-k as uint32 (one
 row per selection). pplx-kernels routes every token to exactly ``experts_per_token`` experts and has no
 "unused" index, so it runs selection mode (or the balanced all-to-all) of routings that drop no selection
-(no ``--mask-ratio`` / ``--capacity-factor``). ``dp_size`` is 1 (every rank its own tokens). Knobs:
+(no ``--mask-ratio`` / ``--capacity-factor``). ``dp_size`` is 1 (every rank its own tokens). ``intranode``
+shares buffers through CUDA IPC handles (``csrc/all_to_all/intranode.cpp:63-119``), which open on one host
+only: ranks on several hosts need ``mode=internode``, refused otherwise before the library is called;
+``internode`` takes a ``cuda.core`` Device for NVSHMEM's bootstrap (``tests/bench_all_to_all.py:249-254``),
+imported there and named in one line when missing. Knobs:
 ``mode`` (intranode | internode), and in the rows ``max_num_tokens``, ``experts_per_token``,
 ``pplx_kernels_version``.
 """
@@ -45,6 +49,20 @@ KERNELS = (
         "perplexityai/pplx-kernels csrc/all_to_all/{intranode,internode}_{dispatch,combine}.cu",
     ),
 )
+
+
+def cuda_core_device() -> Any:
+    """cuda.core's ``Device`` class, which pplx-kernels' NVSHMEM bootstrap takes (its own benchmark passes
+    ``Device(local_rank)``); UsageError (one line) naming what to install when it does not import."""
+    try:
+        from cuda.core.experimental import Device
+    except Exception as exc:  # noqa: BLE001 - a missing or broken install fails any way; the reason is the message
+        text = " ".join(str(exc).split())[:200]
+        raise UsageError(
+            "--backend pplx mode=internode needs cuda.core for NVSHMEM's bootstrap (pip install "
+            f"cuda-core); import cuda.core.experimental failed: {type(exc).__name__}: {text}"
+        ) from None
+    return Device
 
 
 class PplxBackend(DispatcherBackend):
@@ -87,6 +105,12 @@ class PplxBackend(DispatcherBackend):
         }
 
     def prepare(self, plan: RankPlan, shape: PeerShape) -> None:
+        if self.mode == INTRANODE and shape.world_size > 1 and self.layout().num_hosts > 1:
+            raise UsageError(
+                f"--backend {self.name} mode=intranode shares its buffers through CUDA IPC handles, which "
+                f"open on one host only (csrc/all_to_all/intranode.cpp:75-119); these {shape.world_size} "
+                f"ranks run on {self.layout().num_hosts} hosts: use mode=internode (NVSHMEM)"
+            )
         if shape.world_size < 2:
             raise UsageError(f"--backend {self.name} needs at least 2 ranks (pplx-kernels asserts it)")
         if not shape.uniform:
@@ -125,14 +149,13 @@ class PplxBackend(DispatcherBackend):
         if self.mode == INTRANODE:
             return self.lib.AllToAll.intranode(**arguments, group_name=self.group.group_name)
         if not self._nvshmem_ready:
-            from cuda.core.experimental import Device  # pplx-kernels' own NVSHMEM bootstrap takes one
-
+            device_class = cuda_core_device()
             local = self.comm.device.index or 0
             self.lib.nvshmem_init(
                 global_rank=self.comm.rank,
                 local_rank=local,
                 world_size=shape.world_size,
-                device=Device(local),
+                device=device_class(local),
             )
             self._nvshmem_ready = True
         return self.lib.AllToAll.internode(**arguments)
@@ -149,7 +172,7 @@ class PplxBackend(DispatcherBackend):
                 bound_m=self.bound_m,
             )
         self.hold(expert_x=self.expert_x, expert_counts=self.expert_counts)
-        rows, self._index = self.expert_major_rows(self.expert_x, self.expert_counts.tolist())
+        rows, self._index = self.expert_major_rows(self.expert_x)
         return rows
 
     def combine(self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:

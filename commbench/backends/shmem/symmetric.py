@@ -15,7 +15,6 @@ Verified against the torch wheels' ``torch/distributed/_symmetric_memory/__init_
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import warnings
@@ -114,8 +113,7 @@ def allocate_heap(
     NVSHMEM_SYMMETRIC_SIZE advice comes only when the error is about memory.
     """
     prepare_environment(nbytes)
-    with contextlib.suppress(RuntimeError):  # already chosen by an earlier setup in this process
-        symm_mem.set_backend("NVSHMEM")
+    refused = choose_nvshmem(symm_mem)
     groups = (world_group_name, group_name)
     set_up_first = needs_group_setup(str(torch.__version__))
     try:
@@ -129,20 +127,37 @@ def allocate_heap(
             enable_groups(symm_mem, groups)  # a torch that still needs it despite its version: once more
             heap = symmetric_tensor(symm_mem, (nbytes,), torch.uint8, device, group_name)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-        raise allocation_error(exc, nbytes) from None
+        raise allocation_error(exc, nbytes, refused) from None
     # The kernels address the heap through NVSHMEM: memory of another symmetric backend would fault.
     backend = getattr(symm_mem, "get_backend", lambda device: "NVSHMEM")(device)
     if backend not in (None, "NVSHMEM"):
+        cause = f": set_backend('NVSHMEM') said {error_summary(refused)}" if refused is not None else ""
         raise UsageError(
-            f"nvshmem: torch symmetric memory uses the {backend} backend in this process, not NVSHMEM "
-            "(set_backend must come before any other symmetric allocation); run commbench on its own"
+            f"nvshmem: torch symmetric memory uses the {backend} backend in this process, not NVSHMEM"
+            f"{cause} (set_backend must come before any other symmetric allocation); run commbench on its own"
         )
     return heap
 
 
-def allocation_error(exc: BaseException, nbytes: int) -> UsageError:
-    """The one-line error of a failed symmetric allocation: its real cause; heap advice only for memory."""
-    message = f"nvshmem: could not allocate a {nbytes / 2**20:.1f} MiB symmetric heap ({error_summary(exc)})"
+def choose_nvshmem(symm_mem: Any) -> RuntimeError | None:
+    """``set_backend("NVSHMEM")``; the error it raised, kept (None when it took). An earlier set-up in this
+    process may have chosen it already, which torch refuses harmlessly; any other refusal (NVSHMEM not built
+    in, a backend fixed by an earlier allocation) is the real cause of what fails next, so the caller's
+    message quotes it instead of losing it."""
+    try:
+        symm_mem.set_backend("NVSHMEM")
+    except RuntimeError as exc:
+        return exc
+    return None
+
+
+def allocation_error(exc: BaseException, nbytes: int, refused: BaseException | None = None) -> UsageError:
+    """The one-line error of a failed symmetric allocation: its real cause (and ``set_backend``'s refusal
+    before it, when there was one); heap advice only for memory."""
+    first = f"; set_backend('NVSHMEM') had said {error_summary(refused)}" if refused is not None else ""
+    message = (
+        f"nvshmem: could not allocate a {nbytes / 2**20:.1f} MiB symmetric heap ({error_summary(exc)}{first})"
+    )
     if is_heap_size_error(exc):
         size = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "unset")
         message += (

@@ -55,6 +55,19 @@ def _number(frame: pd.DataFrame, column: str) -> pd.Series:
     return pd.to_numeric(frame[column], errors="coerce").astype(float)
 
 
+def library_bytes(frame: pd.DataFrame, item: LibraryBandwidth) -> pd.Series:
+    """Per row, the bytes ``item``'s library counts: ``bytes_column``, plus for each of the row's rows
+    (``bytes_column`` / ``row_bytes``) the bytes the library sends with it (``LibraryBandwidth``)."""
+    payload = _number(frame, item.bytes_column)
+    if not item.extra_bytes_per_row and not item.extra_bytes_column:
+        return payload
+    extra = pd.Series(float(item.extra_bytes_per_row), index=frame.index)
+    if item.extra_bytes_column:
+        extra = extra + _number(frame, item.extra_bytes_column)
+    rows = payload / _number(frame, "row_bytes")
+    return payload + rows * extra
+
+
 def _matches(frame: pd.DataFrame) -> Iterable[tuple[LibraryBandwidth, pd.Index]]:
     """(figure, the rows of ``frame`` it applies to): the row's backend, phase and ``mode`` knob."""
     if frame.empty or "backend_name" not in frame.columns or "phase" not in frame.columns:
@@ -83,10 +96,10 @@ def library_figures(frame: pd.DataFrame) -> pd.DataFrame:
         part = pd.DataFrame({column: rows[column] for column in _CASE_COLUMNS if column in rows.columns})
         part["library"] = item.library
         part["library_figure"] = item.label
-        part["library_GBps"] = gbps(_number(rows, item.bytes_column), _number(rows, item.time_column))
+        part["library_GBps"] = gbps(library_bytes(rows, item), _number(rows, item.time_column))
         part["busbw_GBps"] = _number(rows, "busbw_GBps")
         part["algbw_GBps"] = _number(rows, "algbw_GBps")
-        part["library_bytes"] = f"{item.bytes_meaning} ({item.bytes_column})"
+        part["library_bytes"] = f"{item.bytes_meaning} ({_bytes_formula(item)})"
         part["library_time"] = f"{item.time_meaning} ({item.time_column})"
         parts.append(part)
     if not parts:
@@ -107,9 +120,7 @@ def with_library_columns(frame: pd.DataFrame) -> pd.DataFrame:
             continue
         rows = frame.loc[fresh]
         out.loc[fresh, "library_figure"] = f"{item.library} {item.label}"
-        out.loc[fresh, "library_GBps"] = gbps(
-            _number(rows, item.bytes_column), _number(rows, item.time_column)
-        )
+        out.loc[fresh, "library_GBps"] = gbps(library_bytes(rows, item), _number(rows, item.time_column))
         seen.update(fresh)
     return out
 
@@ -132,10 +143,24 @@ def vocabulary_rows(backends: Iterable[str] | None = None) -> list[list[str]]:
                     f"{item.library} {item.label}",
                     item.bytes_meaning,
                     item.time_meaning,
-                    f"{item.bytes_column} / {item.time_column}",
+                    f"{_bytes_formula(item)} / {item.time_column}",
                 ]
             )
     return rows
+
+
+def _bytes_formula(item: LibraryBandwidth) -> str:
+    """How a figure's bytes come from the row: "max_send_bytes", or with what the library adds per row
+    "max_send_bytes x (row_bytes + 16) / row_bytes"."""
+    extra = " + ".join(
+        part
+        for part in (
+            str(item.extra_bytes_per_row) if item.extra_bytes_per_row else "",
+            item.extra_bytes_column,
+        )
+        if part
+    )
+    return f"{item.bytes_column} x (row_bytes + {extra}) / row_bytes" if extra else item.bytes_column
 
 
 def vocabulary_table(style: str = "markdown", backends: Iterable[str] | None = None) -> str:

@@ -4,10 +4,17 @@
 same plans: the adapter's received rows must be byte-identical to gloo's and to what every source's plan says
 (``expected_rows``), in two rounds with the receive buffers poisoned before each; its combine output is
 compared with the float64 reference at the library's precision (``combine_rtol``: the libraries hand back
-bf16). ``balanced`` runs the balanced all-to-all through the real harness (``run_jobs``)."""
+bf16). Every timed round is watched for host reads of a tensor made by adapter code (``HostReads``): the
+libraries' own benchmarks time the call alone, and an adapter's ``.tolist()`` or ``bool(tensor)`` inside it
+would add a device synchronization to every figure. ``balanced`` runs the balanced all-to-all through the
+real harness (``run_jobs``)."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +45,40 @@ TIMEOUT_S = 60.0
 # Rows of a multiple of 16 bytes, as the libraries move them: FP8 128 + 4 scales x 4 B = 144 B; BF16 256 B.
 FP8 = ModelConfig(name="tiny-fp8", hidden=128, num_experts=16, topk=4, dispatch_dtype="fp8", scale_block=32)
 BF16 = ModelConfig(name="tiny-bf16", hidden=128, num_experts=16, topk=4, dispatch_dtype="bf16")
+# The low-latency kernels compile for a few hidden sizes only (DeepEP's SWITCH_HIDDEN, launch.cuh:113-134;
+# NCCL EP's, macros.cuh:161-171): 2048 is the smallest all of them take.
+LL = ModelConfig(name="tiny-ll", hidden=2048, num_experts=16, topk=4, dispatch_dtype="bf16")
+ADAPTERS = str(Path(__file__).resolve().parents[3] / "commbench" / "backends" / "adapters")
+_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class HostReads:
+    """Records every host read of a tensor (``tolist``, ``item``, ``bool(t)``, ...) whose caller is adapter
+    code, as "file:line", while ``watching`` (the libraries, real or fake, may read what they like)."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        originals = {name: getattr(torch.Tensor, name) for name in _READS}
+
+        def wrap(name: str, original: Any) -> Any:
+            def read(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+                caller = sys._getframe(1).f_code.co_filename
+                if caller.startswith(ADAPTERS):
+                    self.found.append(f"{Path(caller).name}:{sys._getframe(1).f_lineno} {name}")
+                return original(tensor, *args, **kwargs)
+
+            return read
+
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, wrap(name, original))
+        try:
+            yield
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
 
 
 def routing(
@@ -102,17 +143,22 @@ def drive(
     # The library's precision: the same magnitude term, scaled by its combine_rtol instead of 1e-4.
     library_tolerance = (tolerance - COMBINE_ATOL) / COMBINE_RTOL * backend.combine_rtol + COMBINE_ATOL
     outcome: dict = {"rows_wrong": [], "same_as_gloo": [], "combine_wrong": [], "close_to_gloo": []}
+    reads = HostReads()
     for _ in range(rounds):
-        received, counts = _dispatch(backend, comm, plans)
+        with reads.watching():
+            received, counts = _dispatch(backend, comm, plans)
         outcome["rows_wrong"].append(count_wrong_rows(received, expected_rows(plans, comm.rank)))
         outcome["same_as_gloo"].append(bool(torch.equal(received, want_rows)))
         if outcome["rows_wrong"][-1]:  # as the harness: wrong rows end the case before combine
             break
-        combined = _combine(backend, comm, plans, mode, model.hidden, received, counts)
+        with reads.watching():
+            combined = _combine(backend, comm, plans, mode, model.hidden, received, counts)
         outcome["combine_wrong"].append(count_wrong_combine(combined, exact, library_tolerance))
         outcome["close_to_gloo"].append(
             count_wrong_combine(combined, want_combined.double(), library_tolerance)
         )
+    outcome["host_reads"] = sorted(set(reads.found))
+    outcome["topk_width"] = backend.shape.topk if getattr(backend, "shape", None) is not None else None
     outcome["rows"] = int(received.shape[0])
     outcome["steps"] = sorted({name for it in backend.steps.take() for name, _, _ in it.steps})
     outcome["knobs"] = backend.knobs()
@@ -135,4 +181,5 @@ def assert_clean(outcomes: list[dict], rounds: int = 2) -> None:
         assert outcome["same_as_gloo"] == [True] * rounds, outcome
         assert outcome["combine_wrong"] == [0] * rounds, outcome
         assert outcome["close_to_gloo"] == [0] * rounds, outcome
+        assert outcome["host_reads"] == [], outcome  # no host sync added to the timed calls
     assert sum(outcome["rows"] for outcome in outcomes) > 0

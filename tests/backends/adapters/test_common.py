@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from commbench.backends.adapters.common import PeerShape, expert_major_slots, order_keys, routed_tokens
@@ -81,3 +83,55 @@ def test_an_adapter_puts_its_ranks_on_nccl_with_a_gpu_each(monkeypatch):
         PplxBackend.check_available()
     finally:
         remove_modules("pplx_kernels")
+
+
+def test_the_host_read_watch_sees_a_read_made_by_adapter_code():
+    """The watch every adapter test runs its timed rounds under (drive.HostReads) is not blind: PeerShape.of
+    (set-up code, where host reads are fine) reads each plan's row counts with int(), and it is seen; a read
+    made outside the adapters (here, the test itself) is not."""
+    from tests.backends.adapters.drive import HostReads
+
+    reads = HostReads()
+    with reads.watching():
+        PeerShape.of(plans("selection"))
+        torch.tensor([1, 2]).tolist()
+    assert reads.found and all(found.startswith("common.py:") for found in reads.found)
+
+
+def test_an_adapters_gpu_run_is_judged_like_a_gpu_run():
+    """An adapter describes itself as a GPU fabric's backend (its class's gpu_fabric, DispatcherBackend), so
+    a report of its run is judged against the spec (cli.acceptance.choose_report_spec), and its rows, made on
+    GPU ranks (RowMaker: emulated only for CPU ranks), get bandwidth verdicts, PASS or FAIL by their busbw,
+    where the same rows from CPU ranks are skipped: the whole chain a deep-ep run on GPUs goes through."""
+    import numpy as np
+
+    from commbench.backends.adapters.deep_ep import DeepEpBackend
+    from commbench.cli.acceptance import choose_report_spec
+    from commbench.inputs.layout import build_layout
+    from commbench.inputs.limits import load_limits
+    from commbench.inputs.skew import parse_skew
+    from commbench.report.frame import results_frame
+    from commbench.report.judge.verdict import build_verdict
+    from commbench.run.jobs import MoeJob
+    from commbench.run.rows import RowMaker
+    from commbench.traffic.routing import RoutingConfig
+
+    spec, how, judged = choose_report_spec("gb300-nvl72", "deep-ep")
+    assert judged == "gb300-nvl72" and "not judged" not in how
+    world, per_peer = 8, 32 << 20
+    cfg = RoutingConfig(MODEL, parse_skew("uniform"), world, 4096, seed=1)
+    job = MoeJob("tiny", cfg)
+    matrix = np.full((world, world), per_peer)
+    verdicts = {}
+    for device, busbw_GBps in (("cuda", 450.0), ("cuda", 1.0), ("cpu", 1.0)):
+        backend = DeepEpBackend.__new__(DeepEpBackend)  # as built on a rank; the library is not needed here
+        backend.comm = SimpleNamespace(device=torch.device(device))
+        backend.mode, backend._sizes, backend.lib = "normal", {}, SimpleNamespace(__version__="2.1.0")
+        seconds = np.full((world, 5), per_peer * (world - 1) / (busbw_GBps * 1e9))
+        row, _ = RowMaker(job, backend, build_layout(world)).rows("dispatch", matrix, 7168, seconds, 0)
+        assert row["emulated"] is (device == "cpu") and row["backend_name"] == "deep-ep"
+        limits = load_limits(judged)
+        verdict = build_verdict(results_frame([row], spec), limits, spec, how)
+        (element,) = [e for e in verdict.elements if e.group == "moe"]
+        verdicts[(device, busbw_GBps)] = element.status
+    assert verdicts == {("cuda", 450.0): "PASS", ("cuda", 1.0): "FAIL", ("cpu", 1.0): "SKIP"}

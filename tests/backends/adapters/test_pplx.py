@@ -92,3 +92,63 @@ def test_tokens_with_fewer_rows_than_experts_per_token_are_refused(refusals, ind
     error_class, text = refusals[index]
     assert issubclass(error_class, UsageError), refusals[index]
     assert "pplx-kernels sends every token to exactly experts_per_token" in text
+
+
+def _hosts_entry(comm):
+    """intranode on 2 hosts (one rank each): the adapter's refusal; the fake's own failure to open the
+    other host's CUDA IPC handle, as pplx-kernels' would."""
+    from tests.backends.fakes import topology
+
+    fake.install()
+    topology.use(topology.machines(comm.world_size, 1, True))
+    out = []
+    try:
+        for attempt in ("adapter", "library"):
+            try:
+                if attempt == "adapter":
+                    drive(comm, PplxBackend, {}, routing(comm.world_size, FP8, "uniform"), "selection")
+                else:
+                    fake.AllToAll.intranode(8, 16, 4, comm.rank, comm.world_size, 1, 64, 144, 0, "0")
+                out.append(None)
+            except Exception as exc:  # noqa: BLE001 - the test reads the class and the message
+                out.append((type(exc), str(exc)))
+        internode = drive(
+            comm, PplxBackend, {"mode": "internode"}, routing(comm.world_size, FP8, "uniform"), "selection"
+        )
+        return out, internode
+    finally:
+        topology.use([])
+
+
+def test_intranode_on_several_hosts_is_refused_before_cuda_ipc_fails():
+    """pplx-kernels' intranode AllToAll shares its buffers through cudaIpcGetMemHandle / cudaIpcOpenMemHandle
+    (csrc/all_to_all/intranode.cpp:63-119), which open on one host only: the fake fails there as the library
+    would, and the adapter refuses first, in one line, pointing at mode=internode, which runs."""
+    (adapter, library), internode = dist.launch(
+        2, _hosts_entry, (), process_group="gloo", timeout_s=TIMEOUT_S
+    )
+    error_class, text = adapter
+    assert issubclass(error_class, UsageError) and "ranks run on 2 hosts: use mode=internode" in text
+    assert library[0] is RuntimeError and "cudaIpcOpenMemHandle" in library[1]
+    assert_clean([internode])
+
+
+def test_internode_without_cuda_core_is_one_line(monkeypatch):
+    """pplx-kernels' NVSHMEM bootstrap takes a cuda.core Device (tests/bench_all_to_all.py:249-254): a host
+    without it gets one line naming the package, never an ImportError traceback."""
+    import builtins
+
+    from commbench.backends.adapters.pplx import cuda_core_device
+
+    real_import = builtins.__import__
+
+    def no_cuda_core(name, *args, **kwargs):
+        if name.startswith("cuda.core"):
+            raise ModuleNotFoundError("No module named 'cuda.core'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_cuda_core)
+    with pytest.raises(UsageError) as info:
+        cuda_core_device()
+    message = str(info.value)
+    assert "\n" not in message and "needs cuda.core" in message and "pip install cuda-core" in message

@@ -7,7 +7,10 @@ dispatch/combine bundles, ``interop.torch.get_nccl_comm_from_group``), moving ro
 - LL (``Layout.EXPERT_MAJOR``): one row per selection into ``[local experts, max tokens x ranks, hidden]``
   with ``layout_info.expert_counters``; ``combine`` weights with ``outputs.topk_weights``, output bf16.
 
-The routing is the handle's (``create_handle``/``update``); arguments are checked as ``nccl_ep.h`` says."""
+The routing is the handle's (``create_handle``/``update``); arguments are checked as ``nccl_ep.h`` says, and
+every precondition NCCL EP asserts at NVIDIA/nccl 5067397 is enforced (contrib/nccl_ep/nccl_ep.cc, lines at
+each check): HT's 8192 tokens per rank and experts per node a multiple of 4, LL's hidden sizes and top-k,
+the SM budget, the experts dividing over the ranks, the receive buffers' sizes."""
 
 from __future__ import annotations
 
@@ -23,6 +26,10 @@ from tests.backends.fakes import install_modules
 from tests.backends.fakes.transport import send_to_ranks
 
 calls: list[str] = []
+HT_MAX_TOKENS = 8192  # include/common.hpp:26 MAX_SUPPORTED_TOKENS_PER_RANK
+LL_HIDDEN = (2048, 2560, 4096, 5120, 6144, 7168, 8192)  # device/macros.cuh:161-171 SWITCH_HIDDEN
+LL_MAX_TOPK = 9  # device/low_latency.cu:1022, 1951
+DEVICE_SMS = 132  # the SMs of the GPU the fake stands for (an H100)
 
 
 class Algorithm(enum.IntEnum):
@@ -146,12 +153,28 @@ class Handle:
     ) -> None:
         config_ = self.group.config
         x = inputs.tokens.buffer
-        assert x.dim() == 2 and x.shape[0] <= config_.max_dispatch_tokens_per_rank
-        assert x.shape[1] * x.element_size() <= config_.max_token_bytes
+        assert x.dim() == 2 and x.shape[0] <= config_.max_dispatch_tokens_per_rank  # nccl_ep.cc:2641-2642
+        assert x.shape[1] * x.element_size() <= config_.max_token_bytes  # :2643-2644
+        assert x.dtype == torch.bfloat16  # :2682 (no FP8 scales given)
         world = dist.get_world_size(self.group.torch_group)
         rank = dist.get_rank(self.group.torch_group)
         per_rank = config_.num_experts // world
         topk = self.topk_idx
+        if self.layout == Layout.FLAT:
+            # :2690-2692 a node's experts' probabilities load 16 bytes at a time (one node here: every rank)
+            assert (per_rank * world * 4) % 16 == 0, (
+                "HT dispatch requires experts_per_node to be multiple of 4"
+            )
+            assert (x.shape[1] * x.element_size()) % 16 == 0  # :2694-2697
+            recv_rows = config_.max_recv_tokens_per_rank
+            assert outputs.topk_weights.buffer.shape[0] >= recv_rows  # :2941-2944
+            assert (
+                outputs.topk_idx.buffer.shape[0] >= recv_rows and outputs.topk_idx.buffer.dtype == torch.int64
+            )
+        else:
+            hidden = x.shape[1]
+            assert hidden in LL_HIDDEN, "Unsupported hidden"  # SWITCH_HIDDEN, low_latency.cu:1100-1102
+            assert topk.shape[1] <= LL_MAX_TOPK  # low_latency.cu:1030
         if self.layout == Layout.FLAT:
             assert inputs.topk_weights is not None, "HT forward dispatch needs inputs.topk_weights"
             weights = inputs.topk_weights.buffer
@@ -195,7 +218,11 @@ class Handle:
     ) -> None:
         assert self.route is not None
         y, out = inputs.tokens.buffer, outputs.tokens.buffer
-        assert y.dtype == torch.bfloat16 and out.dtype == torch.bfloat16
+        assert y.dtype == torch.bfloat16 and out.dtype == torch.bfloat16  # nccl_ep.cc:3184
+        if self.layout == Layout.FLAT:  # FWD combine: no input weights (:3246-3251, topk_weights forbidden)
+            assert inputs.topk_weights is None
+        else:
+            assert self.topk_idx.shape[1] <= LL_MAX_TOPK  # low_latency.cu:2002
         if self.layout == Layout.FLAT:
             source, token, num_tokens = self.route
             assert y.shape[0] == token.numel()
@@ -226,9 +253,14 @@ class Group:
     def create(cls, comm: Communicator, config: GroupConfig) -> Group:
         assert (
             config.num_experts > 0 and config.max_dispatch_tokens_per_rank > 0 and config.max_token_bytes > 0
-        )
+        )  # nccl_ep.cc:1247-1252
         if config.algorithm == Algorithm.HIGH_THROUGHPUT:
-            assert config.max_recv_tokens_per_rank >= config.max_dispatch_tokens_per_rank
+            assert config.max_dispatch_tokens_per_rank <= HT_MAX_TOKENS  # :1253-1255
+            assert config.max_recv_tokens_per_rank > 0  # :1331-1333
+            assert config.max_recv_tokens_per_rank >= config.max_dispatch_tokens_per_rank  # :1334-1336
+        assert config.max_num_sms <= DEVICE_SMS  # :1297-1299
+        if config.algorithm == Algorithm.LOW_LATENCY and config.max_num_sms:  # :1301-1310
+            assert -(-config.num_experts // config.max_num_sms) <= 14, "insufficient 'max_num_sms'"
         calls.append(f"Group.create({Algorithm(config.algorithm).name})")
         return cls(comm, config)
 
@@ -241,8 +273,10 @@ class Group:
             if self.config.algorithm == Algorithm.HIGH_THROUGHPUT
             else (Layout.EXPERT_MAJOR, Layout.RANK_MAJOR)
         )
-        assert layout in allowed
+        assert layout in allowed  # nccl_ep.cc:2137-2146
         assert topk_idx.buffer.dtype == torch.int64
+        world = dist.get_world_size(self.torch_group)
+        assert self.config.num_experts % world == 0  # :2148
         calls.append("create_handle")
         return Handle(self, Layout(layout), topk_idx)
 

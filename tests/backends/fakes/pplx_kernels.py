@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.backends.fakes import install_modules
+from tests.backends.fakes import install_modules, topology
 from tests.backends.fakes.transport import send_to_ranks
 
 calls: list[str] = []
@@ -24,6 +24,16 @@ def nvshmem_init(global_rank: int, local_rank: int, world_size: int, device: Any
     calls.append("nvshmem_init")
 
 
+def _open_ipc_handles(world_size: int) -> None:
+    """intranode.cpp:63-119: every rank's buffers are shared through cudaIpcGetMemHandle and opened with
+    cudaIpcOpenMemHandle, which fails for a GPU on another host (``topology.PLACES``)."""
+    mine = topology.place(dist.get_rank())
+    for peer in range(world_size):
+        other = topology.place(peer)
+        if mine is not None and other is not None and other.host != mine.host:
+            raise RuntimeError(f"CUDA error: invalid device context (cudaIpcOpenMemHandle of rank {peer})")
+
+
 class AllToAll:
     def __init__(self, settings: dict[str, Any], group: Any) -> None:
         self.settings, self.group = settings, group
@@ -32,8 +42,10 @@ class AllToAll:
 
     @classmethod
     def _create(cls, kind: str, group: Any, **settings: Any) -> AllToAll:
-        assert settings["world_size"] % settings["dp_size"] == 0
-        assert settings["world_size"] // settings["dp_size"] > 1
+        assert settings["world_size"] % settings["dp_size"] == 0  # src/pplx_kernels/all_to_all.py:102
+        assert settings["world_size"] // settings["dp_size"] > 1  # :103
+        assert settings["hidden_dim_bytes"] % 16 == 0  # csrc/all_to_all/all_to_all.cpp:32
+        assert settings["num_experts"] >= settings["world_size"]  # :37 numLocalExperts != 0
         assert settings["hidden_dim_scale_bytes"] == 0, "the fake carries no scales"
         calls.append(kind)
         return cls(settings, group)
@@ -54,6 +66,7 @@ class AllToAll:
     ) -> AllToAll:
         group = dist.group.WORLD
         assert group_name == group.group_name, f"no process group named {group_name!r}"
+        _open_ipc_handles(world_size)
         settings = dict(locals())
         for key in ("cls", "group_name", "group"):
             settings.pop(key)
@@ -91,10 +104,15 @@ class AllToAll:
     ) -> None:
         settings = self.settings
         assert self.alive and out_expert_x_scale is None and dp_x_scale is None
-        assert indices.dtype == torch.uint32 and indices.shape == (
-            dp_x.shape[0],
-            settings["experts_per_token"],
+        assert (
+            indices.dtype == torch.uint32
+            and indices.shape
+            == (  # csrc/bindings/all_to_all_ops.cpp:152-165
+                dp_x.shape[0],
+                settings["experts_per_token"],
+            )
         )
+        assert dp_x.shape[0] <= settings["max_num_tokens"]  # intranode_dispatch.cu:65
         assert dp_x.dim() == 2 and dp_x.shape[1] * dp_x.element_size() == settings["hidden_dim_bytes"]
         assert bound_m.dtype == torch.uint32 and bound_m.numel() == 1 and int(bound_m.item()) == dp_x.shape[0]
         world, experts = settings["world_size"], settings["num_experts"]

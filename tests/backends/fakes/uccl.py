@@ -7,6 +7,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from tests.backends.fakes import deep_ep as fake_deep_ep
 from tests.backends.fakes import install_modules
 
@@ -14,7 +16,18 @@ VERSION = "0.0.1+fake"
 
 
 class Buffer(fake_deep_ep.Buffer):
-    """uccl's ep/bench/buffer.py constructor: no ``enable_shrink``/``comm``, an ``is_intranode`` switch."""
+    """uccl's ep/bench/buffer.py constructor: no ``enable_shrink``/``comm``, an ``is_intranode`` switch, and
+    its own tables (read at uccl da914a2): config_map (ep/bench/buffer.py:753-765: no 48 or 96), the
+    kernels' ranks (ep/include/ep_launch.cuh:67-97), low-latency hidden sizes (:45-65: no 3072), at most 16
+    experts per token (ep/src/internode_ll.cu:670), ranks x tokens a multiple of 4 (ep/src/uccl_ep.cc:1322),
+    no NVSHMEM queue depth (its proxies post the RDMA). It accepts ``allow_mnnvl`` and ignores it."""
+
+    CONFIG_RANKS = (2, 4, 8, 16, 24, 32, 64, 128, 144, 160)
+    RDMA_GROUPS = (2, 3, 4, 8, 16)
+    LL_HIDDEN = (2048, 2560, 4096, 5120, 6144, 7168, 8192)
+    LL_MAX_TOPK = 16
+    NVSHMEM = False
+    LL_TOKENS_OF_FOUR = True
 
     def __init__(
         self,
@@ -36,7 +49,7 @@ class Buffer(fake_deep_ep.Buffer):
             low_latency_mode,
             num_qps_per_rank,
             allow_nvlink_for_low_latency_mode,
-            allow_mnnvl,
+            False,  # accepted, unused (ep/bench/buffer.py:84, never read)
             explicitly_destroy,
         )
 
@@ -62,6 +75,9 @@ def install() -> None:
     uccl.__path__ = []  # a package, so uccl.ep resolves
     ep = ModuleType("uccl.ep")
     ep.Config, ep.EventHandle = fake_deep_ep.Config, object
-    wrapper = fake_deep_ep.module(hybrid=False)
+    fake_deep_ep.options.clear()
+    fake_deep_ep.topk_idx_t = torch.int64
+    wrapper = fake_deep_ep.module(hybrid=False, elastic=False)
+    del wrapper.topk_idx_t  # the wrapper's deep_ep exports no topk_idx_t (its ids are int64)
     wrapper.Buffer, wrapper.initialize_uccl, wrapper.destroy_uccl = Buffer, initialize_uccl, destroy_uccl
     install_modules({"uccl": uccl, "uccl.ep": ep, "deep_ep": wrapper})

@@ -183,3 +183,49 @@ def test_another_symmetric_backend_in_the_process_is_refused(monkeypatch) -> Non
     fake.get_backend = lambda device: "CUDA"
     with pytest.raises(UsageError, match="uses the CUDA backend in this process, not NVSHMEM"):
         allocate(monkeypatch, "2.11.0", fake)
+
+
+REFUSAL = "SymmetricMemory backend NVSHMEM is not available: libnvshmem_host.so.3 not found"
+
+
+def test_set_backends_refusal_is_the_cause_the_failed_allocation_names(monkeypatch) -> None:
+    """torch's set_backend ("Note that the backend cannot be changed once a symmetric memory tensor has been
+    allocated", torch/distributed/_symmetric_memory/__init__.py set_backend) raises RuntimeError; its words
+    reach the one-line error of what fails next instead of being swallowed."""
+    fake = FakeSymmMem(needs_group_info=False, fail=RuntimeError("empty: no allocator for backend"))
+
+    def refuse(name: str) -> None:
+        raise RuntimeError(REFUSAL)
+
+    fake.set_backend = refuse
+    with pytest.raises(UsageError) as info:
+        allocate(monkeypatch, "2.11.0", fake)
+    message = str(info.value)
+    assert "\n" not in message and "empty: no allocator for backend" in message
+    assert f"set_backend('NVSHMEM') had said RuntimeError: {REFUSAL}" in message
+
+
+def test_a_refused_set_backend_with_another_backend_in_use_says_both(monkeypatch) -> None:
+    fake = FakeSymmMem(needs_group_info=False)
+    fake.get_backend = lambda device: "CUDA"
+
+    def refuse(name: str) -> None:
+        raise RuntimeError("cannot change the backend after a symmetric tensor was allocated")
+
+    fake.set_backend = refuse
+    with pytest.raises(UsageError) as info:
+        allocate(monkeypatch, "2.11.0", fake)
+    message = str(info.value)
+    assert "uses the CUDA backend in this process, not NVSHMEM: set_backend('NVSHMEM') said" in message
+    assert "cannot change the backend after a symmetric tensor was allocated" in message
+
+
+def test_a_repeated_set_backend_refusal_is_harmless_when_nvshmem_is_in_use(monkeypatch) -> None:
+    """An earlier set-up in this process chose NVSHMEM already: set_backend may refuse, the heap comes."""
+    fake = FakeSymmMem(needs_group_info=False)
+
+    def refuse(name: str) -> None:
+        raise RuntimeError("backend already set")
+
+    fake.set_backend = refuse
+    assert allocate(monkeypatch, "2.11.0", fake).numel() == 4096
