@@ -132,7 +132,7 @@ def _judge_links(label: str, h: GpuHealth, spec: SystemSpec | None) -> Finding:
                 f"down); {why}: not judged as a failure"
             )
             return Finding("WARN", message, up, len(present), "links", _LINKS_REMEDY)
-        return Finding("PASS", f"all {up} NVLink links present up ({why})", up, None, "links")
+        return Finding("PASS", f"all {up} present NVLink links up ({why})", up, None, "links")
     if up >= expected:
         return Finding("PASS", f"{expected} of {expected} NVLink links up", up, expected, "links")
     # Down: reported inactive, or not reported at all below the number the spec expects.
