@@ -52,18 +52,19 @@ def _answer(call: Any) -> Any:
     return _text(value) if isinstance(value, bytes) else value
 
 
-def _field_values(nvml: Any, handle: Any, fields: list[tuple[str, int]]) -> dict[str, Any]:
-    """ "NAME@scope" -> the field's value (its union member of its value type), or why not (its own return
-    code, or what the call raised)."""
-    known = [(name, scope, getattr(nvml, name)) for name, scope in fields if hasattr(nvml, name)]
+def _field_values(nvml: Any, handle: Any, name: str, scopes: list[int]) -> dict[str, Any]:
+    """ "NAME@scope" -> field ``name``'s value at each of ``scopes`` (its value type's union member), or why
+    not (its own return code, or what the call raised). One call per field: a few dozen values at most."""
     key = "{}@{}".format
+    if not hasattr(nvml, name):
+        return {}
     try:
-        answers = nvml.nvmlDeviceGetFieldValues(handle, [(fid, scope) for _, scope, fid in known])
+        answers = nvml.nvmlDeviceGetFieldValues(handle, [(getattr(nvml, name), scope) for scope in scopes])
     except Exception as exc:
-        return {key(name, scope): _short(exc) for name, scope, _ in known}
+        return {key(name, scope): _short(exc) for scope in scopes}
     members = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")  # NVML_VALUE_TYPE_* order
     out: dict[str, Any] = {}
-    for (name, scope, _), answer in zip(known, answers, strict=True):
+    for scope, answer in zip(scopes, answers, strict=True):
         code, kind = int(answer.nvmlReturn), int(answer.valueType)
         if code != int(getattr(nvml, "NVML_SUCCESS", 0)):
             out[key(name, scope)] = _code_text(nvml, code)
@@ -112,10 +113,14 @@ def _dump_gpu(nvml: Any, handle: Any) -> dict[str, Any]:
     gpu["link_state_refused"] = {why: numbers for why, numbers in refused.items()}
     counts = sorted(name for name in dir(nvml) if name.startswith("NVML_FI_DEV_NVLINK_COUNT_"))
     scopes = [int(link) for link in links] or [0]  # no link: link 0 still shows why the fields fail
-    fields = [(name, 0) for name in _DUMP_GPU_FIELDS]
-    fields += [(name, scope) for name in (*_DUMP_LINK_FIELDS, *counts) for scope in scopes]
-    fields += [(name, _AGGREGATE_SCOPE) for name in counts]
-    gpu["field_values"] = _field_values(nvml, handle, fields)
+    values: dict[str, Any] = {}
+    for name in _DUMP_GPU_FIELDS:
+        values.update(_field_values(nvml, handle, name, [0]))
+    for name in _DUMP_LINK_FIELDS:
+        values.update(_field_values(nvml, handle, name, scopes))
+    for name in counts:
+        values.update(_field_values(nvml, handle, name, [*scopes, _AGGREGATE_SCOPE]))
+    gpu["field_values"] = values
     for key, call, struct in (
         ("fabric_v", "nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfoV_t"),
         ("fabric", "nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t"),
