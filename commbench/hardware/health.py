@@ -3,9 +3,10 @@
 ``read_health`` -> ``GpuHealth`` (before anything is measured); ``watch_counters`` -> ``CounterWatch``:
 ``.before`` at once, ``.finish()`` after the suite (``CounterSnapshot``s: NVLink error counters, volatile ECC
 totals, clocks-event reasons, Xid critical errors in between). Plain frozen dataclasses (pickled for the
-all-gather, ``to_dict`` for JSON), judged by ``report.judge.preflight``. The NVML module is passed in
-(tests: a fake) or ``pynvml`` is imported lazily. Nothing raises: what cannot be read (CPU rank, no NVML,
-NotSupported, NoPermission) is in ``skipped``, fact -> reason. The rank's GPU is found as ``probes`` does.
+all-gather, ``to_dict`` for JSON), judged by ``report.judge.preflight`` (the facts) and
+``report.judge.counters`` (the counters). The NVML module is passed in (tests: a fake) or ``pynvml`` is
+imported lazily. Nothing raises: what cannot be read (CPU rank, no NVML, NotSupported, NoPermission) is in
+``skipped``, fact -> reason. The rank's GPU is found as ``probes`` does.
 
 The NVLink error counters are read by ``nvlink_counters`` (NVLink 4's call and NVLink 5's field values).
 """
