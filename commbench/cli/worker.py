@@ -290,7 +290,7 @@ class _Health:
         if comm.rank != 0 or writer is None:
             return
         from commbench.report.folder.reading import HEALTH_FILE
-        from commbench.report.judge.preflight import counter_elements, health_frame
+        from commbench.report.judge.counters import counter_elements, health_frame
         from commbench.run.liveness import deferred_stop
 
         found = counter_elements(self.before, after, self.names, max_increase=self.tolerance)

@@ -3,9 +3,12 @@
 ``read_health`` -> ``GpuHealth`` (before anything is measured); ``watch_counters`` -> ``CounterWatch``:
 ``.before`` at once, ``.finish()`` after the suite (``CounterSnapshot``s: NVLink error counters, volatile ECC
 totals, clocks-event reasons, Xid critical errors in between). Plain frozen dataclasses (pickled for the
-all-gather, ``to_dict`` for JSON), judged by ``report.judge.preflight``. The NVML module is passed in
-(tests: a fake) or ``pynvml`` is imported lazily. Nothing raises: what cannot be read (CPU rank, no NVML,
-NotSupported, NoPermission) is in ``skipped``, fact -> reason. The rank's GPU is found as ``probes`` does.
+all-gather, ``to_dict`` for JSON), judged by ``report.judge.preflight`` (the facts) and
+``report.judge.counters`` (the counters). The NVML module is passed in (tests: a fake) or ``pynvml`` is
+imported lazily. Nothing raises: what cannot be read (CPU rank, no NVML, NotSupported, NoPermission) is in
+``skipped``, fact -> reason. The rank's GPU is found as ``probes`` does.
+
+The NVLink error counters are read by ``nvlink_counters`` (NVLink 4's call and NVLink 5's field values).
 """
 
 from __future__ import annotations
@@ -16,6 +19,12 @@ import socket
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from commbench.hardware.nvlink_counters import (
+    ALL_NVLINK_COUNTERS,
+    field_number,
+    read_nvlink_counters,
+    skip_reason,
+)
 from commbench.hardware.probes import (
     _error_text,
     _nvml,
@@ -25,16 +34,10 @@ from commbench.hardware.probes import (
     bus_id_text,
     cuda_device,
     nccl_version,
+    read_fabric,
 )
 
 NO_GPU = "no GPU: CPU rank"
-# NVLink data-link error counters (nvmlDeviceGetNvLinkErrorCounter): counter name -> NVML constant name.
-NVLINK_COUNTERS = {
-    "nvlink_replay": "NVML_NVLINK_ERROR_DL_REPLAY",
-    "nvlink_recovery": "NVML_NVLINK_ERROR_DL_RECOVERY",
-    "nvlink_crc_flit": "NVML_NVLINK_ERROR_DL_CRC_FLIT",
-    "nvlink_crc_data": "NVML_NVLINK_ERROR_DL_CRC_DATA",
-}
 # Volatile ECC totals (nvmlDeviceGetTotalEccErrors): counter name -> NVML memory error type constant name.
 ECC_COUNTERS = {
     "ecc_corrected": "NVML_MEMORY_ERROR_TYPE_CORRECTED",
@@ -49,9 +52,6 @@ SLOWDOWN_REASONS = {
     0x80: "HW power brake slowdown",
 }
 _MAX_EVENTS = 4096  # drained per finish(): bounded, so a storm of events cannot hold a rank here
-_SKIP_WORDS = {"NVMLError_NoPermission": "no permission", "NVMLError_NotSupported": "not supported"}
-# nvmlFieldValue_t: the union member that holds each NVML_VALUE_TYPE_* (DOUBLE = 0 ... UNSIGNED_SHORT = 6).
-_VALUE_MEMBERS = ("dVal", "uiVal", "ulVal", "ullVal", "sllVal", "siVal", "usVal")
 _FABRIC_STATES = {0: "not supported", 1: "not started", 2: "in progress", 3: "completed"}
 
 
@@ -82,6 +82,7 @@ class GpuHealth:
     fabric_status: int | None = None  # an NVML return code: 0 = registered
     fabric_cluster_uuid: str = ""
     fabric_clique_id: int = -1
+    fabric_health_mask: int | None = None  # nvmlGpuFabricInfo_v2 healthMask (recorded, not judged)
     skipped: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -91,8 +92,10 @@ class GpuHealth:
 @dataclass(frozen=True)
 class CounterSnapshot:
     """One rank's GPU counters ``when`` "before" or "after" the suite. ``nvlink``: counter
-    (NVLINK_COUNTERS) -> link -> count; ``xid_events`` (after): Xid numbers of the critical errors since
-    before; ``skipped``: counter (NVLINK_COUNTERS, ECC_COUNTERS, "clocks", "xid"; "gpu": all) -> reason."""
+    (ALL_NVLINK_COUNTERS) -> link -> count; ``nvlink_active``: the links active when the watch started (a GPU
+    with active links whose NVLink counters all went unread is a finding); ``xid_events`` (after): Xid
+    numbers of the critical errors since before; ``skipped``: counter (ALL_NVLINK_COUNTERS, ECC_COUNTERS,
+    "clocks", "xid"; "gpu": all) -> reason."""
 
     host: str
     device: int = -1
@@ -100,6 +103,7 @@ class CounterSnapshot:
     bus_id: str = ""
     when: str = "before"
     nvlink: dict[str, dict[int, int]] = field(default_factory=dict)
+    nvlink_active: tuple[int, ...] = ()
     ecc_corrected: int | None = None  # volatile: since the driver loaded
     ecc_uncorrected: int | None = None
     clocks_event_reasons: int | None = None  # nvmlDeviceGetCurrentClocksEventReasons bitmask
@@ -108,7 +112,7 @@ class CounterSnapshot:
 
     def total(self, counter: str) -> int | None:
         """A counter's value (NVLink ones summed over links); None when it was not read."""
-        if counter in NVLINK_COUNTERS:
+        if counter in ALL_NVLINK_COUNTERS:
             links = self.nvlink.get(counter)
             return None if links is None else sum(links.values())
         return getattr(self, counter, None)
@@ -121,15 +125,6 @@ class CounterSnapshot:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def _why(nvml: Any, exc: BaseException) -> str:
-    """A failed NVML call as a skip reason: "no permission (...)", "not supported (...)", else the error."""
-    for name, words in _SKIP_WORDS.items():
-        kind = getattr(nvml, name, None)
-        if isinstance(kind, type) and isinstance(exc, kind):
-            return f"{words} ({_error_text(exc)})"
-    return _error_text(exc)
 
 
 def _open(nvml: Any | None) -> Any:
@@ -190,20 +185,12 @@ def _links(nvml: Any, handle: Any) -> tuple[list[int], list[int], str]:
         try:
             state = int(nvml.nvmlDeviceGetNvLinkState(handle, link))
         except Exception as exc:  # a link number past this GPU's links, or no NVLink at all
-            why = why or _why(nvml, exc)
+            why = why or skip_reason(nvml, exc)
             continue
         (active if state == 1 else inactive).append(link)
     if not active and not inactive:
         return [], [], f"NVLink state not readable: {why or 'no links reported'}"
     return active, inactive, ""
-
-
-def _field_number(nvml: Any, value: Any) -> int | None:
-    """One nvmlFieldValue_t as an int (None when its own return code is not success)."""
-    if int(value.nvmlReturn) != int(getattr(nvml, "NVML_SUCCESS", 0)):
-        return None
-    kind = int(value.valueType)
-    return int(getattr(value.value, _VALUE_MEMBERS[kind])) if 0 <= kind < len(_VALUE_MEMBERS) else None
 
 
 def _speeds(nvml: Any, handle: Any, active: list[int]) -> tuple[dict[int, int], int | None, str]:
@@ -214,35 +201,36 @@ def _speeds(nvml: Any, handle: Any, active: list[int]) -> tuple[dict[int, int], 
     try:
         fields = [(nvml.NVML_FI_DEV_NVLINK_GET_SPEED, link) for link in active]
         values = nvml.nvmlDeviceGetFieldValues(handle, fields)
-        speeds = {link: _field_number(nvml, v) for link, v in zip(active, values, strict=True)}
+        speeds = {link: field_number(nvml, v) for link, v in zip(active, values, strict=True)}
         known = {link: speed for link, speed in speeds.items() if speed}
         if known:
             return known, None, ""
         why = "per-link speed not reported"
     except Exception as exc:
-        why = f"per-link speed: {_why(nvml, exc)}"
+        why = f"per-link speed: {skip_reason(nvml, exc)}"
     try:
         fields = [nvml.NVML_FI_DEV_NVLINK_SPEED_MBPS_COMMON]
-        common = _field_number(nvml, nvml.nvmlDeviceGetFieldValues(handle, fields)[0])
+        common = field_number(nvml, nvml.nvmlDeviceGetFieldValues(handle, fields)[0])
         if common:
             return {}, common, ""
     except Exception as exc:
-        why += f"; common speed: {_why(nvml, exc)}"
+        why += f"; common speed: {skip_reason(nvml, exc)}"
     return {}, None, f"NVLink speed not readable ({why})"
 
 
 def _fabric(nvml: Any, handle: Any) -> dict[str, Any]:
-    """The GPU's multi-node NVLink fabric registration (nvmlDeviceGetGpuFabricInfo)."""
-    info = nvml.c_nvmlGpuFabricInfo_t()
-    nvml.nvmlDeviceGetGpuFabricInfo(handle, nvml.byref(info))
+    """The GPU's multi-node NVLink fabric registration (``probes.read_fabric``: the versioned call first)."""
+    info = read_fabric(nvml, handle)
     raw = bytes(info.clusterUuid).hex()
     cluster = f"{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:]}" if raw.strip("0") else ""
     state = int(info.state)
+    mask = getattr(info, "healthMask", None)
     return {
         "fabric_state": _FABRIC_STATES.get(state, f"state {state}"),
         "fabric_status": int(info.status),
         "fabric_cluster_uuid": cluster,
         "fabric_clique_id": int(info.cliqueId),
+        "fabric_health_mask": None if mask is None else int(mask),
     }
 
 
@@ -272,7 +260,7 @@ def _facts(nvml: Any, handle: Any) -> tuple[dict[str, Any], dict[str, str]]:
         try:
             facts.update(read())
         except Exception as exc:
-            skipped[fact] = _why(nvml, exc)
+            skipped[fact] = skip_reason(nvml, exc)
     skipped.pop("name", None)  # the name only labels messages: torch's stands in
     return facts, skipped
 
@@ -309,7 +297,7 @@ def read_health(device_index: int | None, nvml: Any | None = None) -> GpuHealth:
     try:
         nvml = _open(nvml)
     except Exception as exc:
-        return GpuHealth(host, device_index, skipped={"gpu": f"NVML not available: {_why(nvml, exc)}"})
+        return GpuHealth(host, device_index, skipped={"gpu": f"NVML not available: {skip_reason(nvml, exc)}"})
     try:
         gpu = _find_gpu(nvml, device_index)
         if isinstance(gpu, str):
@@ -321,42 +309,29 @@ def read_health(device_index: int | None, nvml: Any | None = None) -> GpuHealth:
         where = {"uuid": gpu.uuid, "bus_id": gpu.bus_id, "nvml_index": gpu.index, "host_gpu_count": gpu.count}
         return GpuHealth(host, device_index, nccl_version=nccl, skipped=skipped, **where, **facts)
     except Exception as exc:  # never raise from a probe: the whole GPU is then not checked
-        return GpuHealth(host, device_index, skipped={"gpu": f"NVML query failed: {_why(nvml, exc)}"})
+        return GpuHealth(host, device_index, skipped={"gpu": f"NVML query failed: {skip_reason(nvml, exc)}"})
     finally:
         _close(nvml)
 
 
 def _counters(nvml: Any, handle: Any, links: list[int]) -> tuple[dict[str, Any], dict[str, str]]:
-    """NVLink error counters of ``links``, volatile ECC totals and clocks-event reasons, and why any is
-    missing. A counter that some links do not answer is kept for the links that do."""
-    values: dict[str, Any] = {"nvlink": {}}
-    skipped: dict[str, str] = {}
-    for counter, constant in NVLINK_COUNTERS.items():
-        per_link, why = {}, "no NVLink link to read"
-        for link in links:
-            try:
-                per_link[link] = int(
-                    nvml.nvmlDeviceGetNvLinkErrorCounter(handle, link, getattr(nvml, constant))
-                )
-            except Exception as exc:
-                why = _why(nvml, exc)
-        if per_link:
-            values["nvlink"][counter] = per_link
-        else:
-            skipped[counter] = why
+    """NVLink error counters of ``links`` (both interfaces), volatile ECC totals and clocks-event reasons,
+    and why any is missing. A counter that some links do not answer is kept for the links that do."""
+    nvlink, skipped = read_nvlink_counters(nvml, handle, links)
+    values: dict[str, Any] = {"nvlink": nvlink}
     for counter, constant in ECC_COUNTERS.items():
         try:
             kind = getattr(nvml, constant)
             values[counter] = int(nvml.nvmlDeviceGetTotalEccErrors(handle, kind, nvml.NVML_VOLATILE_ECC))
         except Exception as exc:  # NotSupported where ECC is off or the GPU has none
-            skipped[counter] = _why(nvml, exc)
+            skipped[counter] = skip_reason(nvml, exc)
     try:
         values["clocks_event_reasons"] = int(nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
     except Exception as exc:
         try:  # drivers and bindings older than the "event" name have only the "throttle" one
             values["clocks_event_reasons"] = int(nvml.nvmlDeviceGetCurrentClocksThrottleReasons(handle))
         except Exception:
-            skipped["clocks"] = _why(nvml, exc)
+            skipped["clocks"] = skip_reason(nvml, exc)
     return values, skipped
 
 
@@ -370,6 +345,7 @@ class CounterWatch:
         self._nvml: Any = None
         self._gpu: _Gpu | None = None
         self._links: list[int] = []
+        self._active: tuple[int, ...] = ()
         self._events: Any = None
         self._skipped: dict[str, str] = {}
         self._after: CounterSnapshot | None = None
@@ -386,7 +362,7 @@ class CounterWatch:
             gpu = _find_gpu(self._nvml, device_index)
         except Exception as exc:
             prefix = "NVML not available" if self._nvml is None else "NVML query failed"
-            gpu = f"{prefix}: {_why(nvml or self._nvml, exc)}"
+            gpu = f"{prefix}: {skip_reason(nvml or self._nvml, exc)}"
         if isinstance(gpu, str):
             self._skipped["gpu"] = gpu
             self._shut()
@@ -395,12 +371,13 @@ class CounterWatch:
         self._where.update(uuid=gpu.uuid, bus_id=gpu.bus_id)
         active, inactive, _ = _links(self._nvml, gpu.handle)
         self._links = sorted(active + inactive)
+        self._active = tuple(active)
         try:
             self._events = self._nvml.nvmlEventSetCreate()
             xid = self._nvml.nvmlEventTypeXidCriticalError
             self._nvml.nvmlDeviceRegisterEvents(gpu.handle, xid, self._events)
         except Exception as exc:  # NoPermission in some containers, NotSupported on some GPUs
-            self._skipped["xid"] = f"Xid events not watched: {_why(self._nvml, exc)}"
+            self._skipped["xid"] = f"Xid events not watched: {skip_reason(self._nvml, exc)}"
             self._free_events()
 
     def _snapshot(self, when: str, xids: tuple[int, ...] = ()) -> CounterSnapshot:
@@ -410,9 +387,10 @@ class CounterWatch:
             try:
                 values, skipped = _counters(self._nvml, self._gpu.handle, self._links)
             except Exception as exc:
-                skipped = {"gpu": f"NVML query failed: {_why(self._nvml, exc)}"}
+                skipped = {"gpu": f"NVML query failed: {skip_reason(self._nvml, exc)}"}
         skipped.update(self._skipped)
-        return CounterSnapshot(**self._where, when=when, xid_events=xids, skipped=skipped, **values)
+        where = {**self._where, "nvlink_active": self._active}
+        return CounterSnapshot(**where, when=when, xid_events=xids, skipped=skipped, **values)
 
     def _drain(self) -> tuple[int, ...]:
         """Xid numbers of the events waiting in the set, up to the first wait that times out (the timeout
@@ -425,7 +403,7 @@ class CounterWatch:
                 data = self._nvml.nvmlEventSetWait(self._events, 0)
             except Exception as exc:
                 if not (isinstance(timeout, type) and isinstance(exc, timeout)):
-                    self._skipped["xid"] = f"Xid events not read: {_why(self._nvml, exc)}"
+                    self._skipped["xid"] = f"Xid events not read: {skip_reason(self._nvml, exc)}"
                 break
             if int(data.eventType) & xid:
                 xids.append(int(data.eventData))
@@ -440,7 +418,7 @@ class CounterWatch:
                 try:
                     xids = self._drain()
                 except Exception as exc:
-                    self._skipped["xid"] = f"Xid events not read: {_why(self._nvml, exc)}"
+                    self._skipped["xid"] = f"Xid events not read: {skip_reason(self._nvml, exc)}"
                 self._free_events()
             self._after = self._snapshot("after", xids)
             self._shut()

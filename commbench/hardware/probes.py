@@ -74,11 +74,33 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def read_fabric(nvml: Any, handle: Any) -> Any:
+    """The GPU's fabric info structure: ``nvmlDeviceGetGpuFabricInfoV`` (``nvmlGpuFabricInfo_v2``, with the
+    health mask) where the binding and the driver have it, else ``nvmlDeviceGetGpuFabricInfo`` (deprecated
+    in pynvml.py, "will be removed in CUDA 14.0"). Raises what NVML raises (NotSupported: no fabric)."""
+    versioned = getattr(nvml, "nvmlDeviceGetGpuFabricInfoV", None)
+    struct = getattr(nvml, "c_nvmlGpuFabricInfoV_t", None)
+    if versioned is not None and struct is not None:
+        info = struct()  # its constructor sets the version field NVML checks
+        try:
+            versioned(handle, nvml.byref(info))
+            return info
+        except Exception as exc:  # a driver without the versioned call: the older one below
+            kinds = (getattr(nvml, name, None) for name in _OLD_DRIVER_ERRORS)
+            if not any(isinstance(kind, type) and isinstance(exc, kind) for kind in kinds):
+                raise
+    info = nvml.c_nvmlGpuFabricInfo_t()
+    nvml.nvmlDeviceGetGpuFabricInfo(handle, nvml.byref(info))
+    return info
+
+
+_OLD_DRIVER_ERRORS = ("NVMLError_FunctionNotFound", "NVMLError_ArgumentVersionMismatch")
+
+
 def _fabric_info(nvml: Any, handle: Any) -> dict[str, Any]:
     """GPU fabric (multi-node NVLink) registration: cluster UUID + clique id identify the NVLink domain."""
     try:
-        info = nvml.c_nvmlGpuFabricInfo_t()
-        nvml.nvmlDeviceGetGpuFabricInfo(handle, nvml.byref(info))
+        info = read_fabric(nvml, handle)
     except Exception as exc:  # NotSupported on GPUs without a multi-node NVLink fabric
         return {"fabric": f"not reported ({_error_text(exc)})"}
     states = {
@@ -101,6 +123,16 @@ def _fabric_info(nvml: Any, handle: Any) -> dict[str, Any]:
     }
 
 
+def nvlink_version_text(nvml: Any, value: int) -> str:
+    """NVML's NVLink version enum as its number: NVML_NVLINK_VERSION_5_0 (7) -> "5.0" (the enum value is
+    not the version: 5 is NVLink 3.1)."""
+    for name in dir(nvml):
+        if name.startswith("NVML_NVLINK_VERSION_") and getattr(nvml, name) == value:
+            text = name[len("NVML_NVLINK_VERSION_") :]
+            return text.replace("_", ".") if text[:1].isdigit() else text.lower()
+    return f"enum {value}"
+
+
 def _nvlink_links(nvml: Any, handle: Any) -> dict[str, Any]:
     """Links that exist (state query answered) and how many are active, with the NVLink version."""
     present = active = 0
@@ -115,7 +147,7 @@ def _nvlink_links(nvml: Any, handle: Any) -> dict[str, Any]:
             active += 1
             if version is None:
                 try:
-                    version = int(nvml.nvmlDeviceGetNvLinkVersion(handle, link))
+                    version = nvlink_version_text(nvml, int(nvml.nvmlDeviceGetNvLinkVersion(handle, link)))
                 except Exception:
                     version = None
     return {"nvlink_links": present, "nvlink_links_active": active, "nvlink_version": version}

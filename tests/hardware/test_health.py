@@ -7,16 +7,24 @@ from types import SimpleNamespace
 
 import pytest
 
-from commbench.hardware.health import NO_GPU, NVLINK_COUNTERS, GpuHealth, read_health, watch_counters
+from commbench.hardware.health import NO_GPU, GpuHealth, read_health, watch_counters
+from commbench.hardware.nvlink_counters import NVLINK5_COUNTERS, NVLINK_COUNTERS
 from tests.hardware.fake_nvml import (
     CLUSTER,
     CLUSTER_TEXT,
+    GARBAGE,
     H100_LINK_MBPS,
+    NVML_ERROR_NO_PERMISSION,
+    NVML_FI_DEV_NVLINK_COUNT_LINK_RECOVERY_FAILED_EVENTS,
+    NVML_FI_DEV_NVLINK_COUNT_RCV_ERRORS,
+    NVML_FI_DEV_NVLINK_COUNT_SYMBOL_ERRORS,
     NVML_GPU_FABRIC_STATE_COMPLETED,
+    NVML_GPU_FABRIC_STATE_NOT_STARTED,
     NVML_NVLINK_ERROR_DL_CRC_FLIT,
     NVML_NVLINK_ERROR_DL_REPLAY,
     FakeGpu,
     FakeNvml,
+    NVMLError_FunctionNotFound,
     NVMLError_LibraryNotFound,
     NVMLError_NoPermission,
     NVMLError_NotSupported,
@@ -24,6 +32,8 @@ from tests.hardware.fake_nvml import (
     nvmlClocksEventReasonHwSlowdown,
     nvmlClocksEventReasonSwPowerCap,
 )
+
+NOT_SUPPORTED = "not supported (NVMLError_NotSupported: Not Supported)"  # pynvml's str() of the error
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +147,10 @@ def test_counters_before_and_after_see_increments_xids_and_slowdowns():
     before = watch.before
     assert before.when == "before" and before.total("nvlink_replay") == 0
     assert set(before.nvlink) == set(NVLINK_COUNTERS) and len(before.nvlink["nvlink_crc_flit"]) == 18
-    assert (before.ecc_corrected, before.ecc_uncorrected, before.slowdowns, before.skipped) == (0, 0, (), {})
+    assert (before.ecc_corrected, before.ecc_uncorrected, before.slowdowns) == (0, 0, ())
+    assert before.nvlink_active == tuple(range(18))
+    # An NVLink 4 GPU: the NVLink 5 fields answer NVML_ERROR_NOT_SUPPORTED each, and say so.
+    assert before.skipped == dict.fromkeys(NVLINK5_COUNTERS, NOT_SUPPORTED)
     nvml.bump(1, NVML_NVLINK_ERROR_DL_CRC_FLIT, link=7, by=2)
     nvml.bump(1, NVML_NVLINK_ERROR_DL_REPLAY, link=3)
     nvml.bump(0, NVML_NVLINK_ERROR_DL_REPLAY, link=3, by=5)  # another rank's GPU
@@ -169,7 +182,8 @@ def test_xid_watch_refused_is_a_skip_reason_and_the_counters_are_still_read(erro
     watch = watch_counters(0, nvml)
     after = watch.finish()
     words = "no permission" if error is NVMLError_NoPermission else "not supported"
-    assert after.skipped == {"xid": f"Xid events not watched: {words} ({error.__name__}: {error()})"}
+    assert after.skipped["xid"] == f"Xid events not watched: {words} ({error.__name__}: {error()})"
+    assert set(after.skipped) == {"xid", *NVLINK5_COUNTERS}
     assert after.total("nvlink_replay") == 0 and nvml.inits == 0
 
 
@@ -203,3 +217,78 @@ def test_clock_reasons_fall_back_to_the_older_throttle_call():
     gpu.fail["nvmlDeviceGetCurrentClocksEventReasons"] = AttributeError  # a binding without the new name
     before = watch_counters(0, FakeNvml([gpu])).before
     assert before.slowdowns == ("HW slowdown",) and "clocks" not in before.skipped
+
+
+def test_an_nvlink5_gpu_reports_its_errors_through_the_per_link_field_values():
+    """NVLink 5 (Blackwell): nvmlDeviceGetNvLinkErrorCounter is not supported (DCGM 4.6
+    modules/health/DcgmHealthWatch.cpp: "Old NVLink error fields (Pre-Blackwell only, deprecated on
+    Blackwell+)"); the errors are the NVML_FI_DEV_NVLINK_COUNT_* fields (pynvml.py:772-794) read with
+    nvmlDeviceGetFieldValues (pynvml.py:5004: an int or a (fieldId, scopeId) tuple per entry, a
+    c_nvmlFieldValue_t array back, pynvml.py:1537) with scopeId = link (DCGM 4.6
+    dcgmlib/src/DcgmCacheManager.cpp: "Query NVML with scopeId = linkIndex for per-link value")."""
+    nvml = FakeNvml([FakeGpu(0, nvlink=5, down={17})])
+    watch = watch_counters(0, nvml)
+    before = watch.before
+    assert set(before.nvlink) == set(NVLINK5_COUNTERS)
+    assert before.nvlink["nvlink_symbol"] == dict.fromkeys(range(18), 0)  # inactive link 17 read too
+    assert before.skipped == dict.fromkeys(NVLINK_COUNTERS, NOT_SUPPORTED)
+    nvml.bump_field(0, NVML_FI_DEV_NVLINK_COUNT_SYMBOL_ERRORS, link=4, by=3)
+    nvml.bump_field(0, NVML_FI_DEV_NVLINK_COUNT_LINK_RECOVERY_FAILED_EVENTS, link=9)
+    after = watch.finish()
+    assert after.nvlink["nvlink_symbol"][4] == 3 and after.total("nvlink_symbol") == 3
+    assert after.total("nvlink_recovery_failed") == 1 and after.total("nvlink_rx_errors") == 0
+    assert nvml.inits == 0
+
+
+def test_a_field_refused_for_some_links_keeps_the_others_and_a_refused_value_is_never_read():
+    """dcgm_nvml.h (nvmlFieldValue_t): "value is undefined if nvmlReturn != NVML_SUCCESS": the fake fills
+    GARBAGE there, which must never reach a counter."""
+    refused = {(NVML_FI_DEV_NVLINK_COUNT_RCV_ERRORS, 3): NVML_ERROR_NO_PERMISSION}
+    refused |= {
+        (NVML_FI_DEV_NVLINK_COUNT_SYMBOL_ERRORS, link): NVML_ERROR_NO_PERMISSION for link in range(18)
+    }
+    before = watch_counters(0, FakeNvml([FakeGpu(0, nvlink=5, field_errors=refused)])).before
+    assert sorted(before.nvlink["nvlink_rx_errors"]) == [link for link in range(18) if link != 3]
+    assert (
+        before.skipped["nvlink_symbol"] == "no permission (NVMLError_NoPermission: Insufficient Permissions)"
+    )
+    assert all(GARBAGE not in links.values() for links in before.nvlink.values())
+
+
+def test_an_nvidia_ml_py_without_the_nvlink5_fields_says_so():
+    missing = tuple(NVLINK5_COUNTERS.values())
+    before = watch_counters(0, FakeNvml([FakeGpu(0, nvlink=5)], missing=missing)).before
+    assert before.nvlink == {}
+    assert before.skipped["nvlink_symbol"] == (
+        "not supported by this nvidia-ml-py (it lacks the NVLink 5 field constants)"
+    )
+    assert before.skipped["nvlink_replay"] == NOT_SUPPORTED
+
+
+def test_a_gpu_without_nvlink_has_no_link_to_read():
+    """nvml.h (dcgm_nvml.h nvmlDeviceGetNvLinkState): NVML_ERROR_NOT_SUPPORTED "if the device doesn't support
+    this feature", NVML_ERROR_INVALID_ARGUMENT "if device or link is invalid"."""
+    pcie = FakeGpu(0, links=0)
+    health = read_health(0, FakeNvml([pcie]))
+    assert health.skipped["nvlink"] == f"NVLink state not readable: {NOT_SUPPORTED}"
+    before = watch_counters(0, FakeNvml([pcie])).before
+    assert before.nvlink == {} and before.nvlink_active == ()
+    assert {before.skipped[c] for c in (*NVLINK_COUNTERS, *NVLINK5_COUNTERS)} == {"no NVLink link to read"}
+
+
+def test_the_fabric_is_read_through_the_versioned_call_with_its_health_mask():
+    """pynvml.py:7321-7331: nvmlDeviceGetGpuFabricInfo is "DEPRECATED: Use nvmlDeviceGetGpuFabricInfoV";
+    the versioned call takes c_nvmlGpuFabricInfoV_t (v2: version set by its constructor, healthMask)."""
+    gpu = FakeGpu(0, fabric=(NVML_GPU_FABRIC_STATE_NOT_STARTED, 0, b"", 0), health_mask=0x10)
+    health = read_health(0, FakeNvml([gpu]))
+    assert (health.fabric_state, health.fabric_cluster_uuid, health.fabric_health_mask) == (
+        "not started",
+        "",
+        16,
+    )
+    old_binding = read_health(0, FakeNvml([gpu], missing=("nvmlDeviceGetGpuFabricInfoV",)))
+    assert (old_binding.fabric_state, old_binding.fabric_health_mask) == ("not started", None)
+    gpu.fail["nvmlDeviceGetGpuFabricInfoV"] = NVMLError_FunctionNotFound  # an older driver
+    assert read_health(0, FakeNvml([gpu])).fabric_state == "not started"
+    gpu.fail["nvmlDeviceGetGpuFabricInfoV"] = NVMLError_NoPermission  # a real refusal is not retried
+    assert read_health(0, FakeNvml([gpu])).skipped["fabric"].startswith("no permission (")

@@ -16,8 +16,7 @@ from commbench.hardware.probes import (
 )
 from commbench.inputs.layout import build_layout
 from tests.hardware.conftest import cuda_props, gpu_uuid
-
-CLUSTER_TEXT = "01020304-0506-0708-090a-0b0c0d0e0f10"  # conftest.CLUSTER as NVML tools print it
+from tests.hardware.fake_nvml import CLUSTER_TEXT
 
 
 def test_probe_gpus_reads_names_nvlink_and_the_fabric_clique(install_nvml):
@@ -28,7 +27,8 @@ def test_probe_gpus_reads_names_nvlink_and_the_fabric_clique(install_nvml):
     first = found["gpus"][0]
     assert (first["index"], first["name"], first["uuid"]) == (0, "NVIDIA GB300", gpu_uuid(0))
     assert first["pci_bus_id"] == "00000000:19:00.0"
-    assert (first["nvlink_links"], first["nvlink_links_active"], first["nvlink_version"]) == (3, 2, 5)
+    # NVML's enum NVML_NVLINK_VERSION_5_0 is 7 (pynvml.py: 5 is NVLINK_VERSION_3_1): the probe says "5.0".
+    assert (first["nvlink_links"], first["nvlink_links_active"], first["nvlink_version"]) == (3, 2, "5.0")
     assert (first["fabric_state"], first["fabric_cluster_uuid"], first["fabric_clique_id"]) == (
         "completed",
         CLUSTER_TEXT,
@@ -48,9 +48,10 @@ def test_a_gpu_without_a_registered_clique_has_none(install_nvml, options):
 
 
 def test_fabric_info_not_supported_and_no_links(install_nvml):
-    install_nvml(links={}, fabric_error=RuntimeError("Not Supported"))
+    install_nvml(links={}, fabric=False)  # NotSupported from both fabric calls and every link's state
     gpu = probe_gpus()["gpus"][0]
-    assert gpu["fabric"].startswith("not reported") and gpu["nvlink_links"] == 0
+    assert gpu["fabric"] == "not reported (NVMLError_NotSupported: Not Supported)"
+    assert (gpu["nvlink_links"], gpu["nvlink_links_active"], gpu["nvlink_version"]) == (0, 0, None)
 
 
 def test_without_nvml_nothing_is_seen_and_the_notes_say_so(install_nvml):

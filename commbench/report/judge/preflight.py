@@ -1,12 +1,11 @@
-"""Preflight and health findings: each GPU's facts against the spec before measuring, counters after it.
+"""Preflight findings: each GPU's facts against the spec and the other ranks, before anything is measured.
 
 ``preflight_elements`` judges the ``GpuHealth`` of every rank (group "preflight"): GPUs per host and per
-NVLink domain, NVLink links up and their speed, ECC, persistence, one driver / CUDA driver / NCCL version
-across the job, the fabric registration and clique. ``counter_elements`` judges the ``CounterSnapshot``s
-taken before and after the run (group "health"): NVLink replay / recovery / CRC errors, ECC errors, Xid
-critical errors and clock slowdowns. A finding (WARN, FAIL) is one element naming the rank, host and GPU;
-the GPUs that pass one check share one PASS element, those that could not be checked one SKIP per reason.
-``health_frame`` is the health.csv table: one row per rank, facts and counters before/after.
+NVLink domain, NVLink links up (against the spec's ``nvlink_links_per_gpu``) and their speed, ECC,
+persistence, one driver / CUDA driver / NCCL version across the job, the fabric registration and clique
+(only where the spec's NVLink domain spans hosts). A finding (WARN, FAIL) is one element naming the rank,
+host and GPU; the GPUs that pass one check share one PASS element, those that could not be checked one SKIP
+per reason (``gather``, which ``judge.counters`` shares for the counters after the run).
 """
 
 from __future__ import annotations
@@ -15,14 +14,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import pandas as pd
-
-from commbench.hardware.health import ECC_COUNTERS, NVLINK_COUNTERS, CounterSnapshot, GpuHealth
+from commbench.hardware.health import CounterSnapshot, GpuHealth
 from commbench.inputs.specs import SystemSpec, has_figures
 from commbench.report.judge.verdict import Element
 
 PREFLIGHT = "preflight"
-HEALTH = "health"
 NO_SPEC = "no GPU spec to compare with"
 _LINKS_REMEDY = (
     "`nvidia-smi nvlink -s` on that host shows each link's state and speed; reset the GPU, then reseat or "
@@ -36,26 +32,10 @@ _FABRIC_REMEDY = (
     "`nvidia-smi -q | grep -A8 -i fabric` on that host; check nvidia-imex and the NVLink switch trays' "
     "fabric manager (NMX), and that the tray belongs to the rack's partition"
 )
-_ERRORS_REMEDY = (
-    "`nvidia-smi nvlink -e` (NVLink errors) and `nvidia-smi -q -d ECC` on that host; rerun to see if the "
-    "errors recur; a link that keeps counting needs its tray or cable cartridge reseated or replaced"
-)
-_XID_REMEDY = "`dmesg | grep -i xid` on that host; look the Xid up in NVIDIA's Xid catalog; drain and reset"
-_SLOWDOWN_REMEDY = "`nvidia-smi -q -d PERFORMANCE,TEMPERATURE,POWER` on that host; check cooling and power"
-# Xids that name their cause in the message (NVIDIA's Xid catalog); the rest are shown by number only.
-_XID_NAMES = {
-    48: "double-bit ECC error",
-    63: "ECC row remap / page retirement",
-    64: "ECC row remap / page retirement failed",
-    74: "NVLink error",
-    79: "GPU fallen off the bus",
-    94: "contained ECC error",
-    95: "uncontained ECC error",
-}
 
 
 @dataclass(frozen=True)
-class _Finding:
+class Finding:
     """One subject's (a rank's GPU, a host, a clique) outcome of one check. ``message``: the full line of
     a WARN or FAIL, the shared text of a PASS, the reason of a SKIP."""
 
@@ -67,11 +47,12 @@ class _Finding:
     remedy: str = ""
 
 
-def _skip(reason: str) -> _Finding:
-    return _Finding("SKIP", reason)
+def skip(reason: str) -> Finding:
+    """A subject that could not be checked, and why."""
+    return Finding("SKIP", reason)
 
 
-def _label(rank: int, item: GpuHealth | CounterSnapshot, names: Mapping[int, str] | None) -> str:
+def rank_label(rank: int, item: GpuHealth | CounterSnapshot, names: Mapping[int, str] | None) -> str:
     """The rank as messages name it: "rank 5 (host h2, GPU 1 [0000:19:00])", or the caller's name."""
     if names and names.get(rank):
         return f"rank {rank} ({names[rank]})"
@@ -97,7 +78,7 @@ def _subjects_text(keys: Sequence[int | str]) -> str:
     return ", ".join(str(key) for key in keys)
 
 
-def _gather(group: str, check: str, findings: Mapping[int | str, _Finding]) -> list[Element]:
+def gather(group: str, check: str, findings: Mapping[int | str, Finding]) -> list[Element]:
     """One element per WARN / FAIL subject ("<check>: rank 5" / "<check>: host h2"), one SKIP per reason,
     one PASS per shared text; in that order."""
     out = []
@@ -122,37 +103,51 @@ def _gather(group: str, check: str, findings: Mapping[int | str, _Finding]) -> l
 
 def _per_gpu(check: str, healths: Sequence[GpuHealth], judge: Any) -> list[Element]:
     findings = {
-        rank: _skip(h.skipped["gpu"]) if "gpu" in h.skipped else judge(rank, h)
+        rank: skip(h.skipped["gpu"]) if "gpu" in h.skipped else judge(rank, h)
         for rank, h in enumerate(healths)
     }
-    return _gather(PREFLIGHT, check, findings)
+    return gather(PREFLIGHT, check, findings)
 
 
 def _links_text(links: Sequence[int]) -> str:
     return f"link{'s' if len(links) > 1 else ''} {', '.join(str(link) for link in links)}"
 
 
-def _judge_links(label: str, h: GpuHealth, spec: SystemSpec | None) -> _Finding:
+def _judge_links(label: str, h: GpuHealth, spec: SystemSpec | None) -> Finding:
+    """Active links against the spec's ``nvlink_links_per_gpu``. Without that count nothing says how many
+    links should be up (a single-GPU VM shows its links present and inactive): no FAIL; some up and some
+    not WARNs, none up SKIPs."""
     if "nvlink" in h.skipped:
-        return _skip(h.skipped["nvlink"])
+        return skip(h.skipped["nvlink"])
     present = set(h.nvlink_active) | set(h.nvlink_inactive)
-    expected = spec.nvlink_links_per_gpu if spec is not None and spec.nvlink_links_per_gpu else len(present)
     up = len(h.nvlink_active)
+    expected = spec.nvlink_links_per_gpu if spec is not None else 0
+    if not expected:
+        why = NO_SPEC if spec is None else f"spec {spec.name} states no NVLink link count"
+        if not up:
+            return skip(f"{len(present)} NVLink links present, none active; {why} (NVLink not in use here?)")
+        if h.nvlink_inactive:
+            message = (
+                f"{label}: {up} of {len(present)} NVLink links up ({_links_text(sorted(h.nvlink_inactive))} "
+                f"down); {why}: not judged as a failure"
+            )
+            return Finding("WARN", message, up, len(present), "links", _LINKS_REMEDY)
+        return Finding("PASS", f"all {up} present NVLink links up ({why})", up, None, "links")
     if up >= expected:
-        return _Finding("PASS", f"{expected} of {expected} NVLink links up", up, expected, "links")
+        return Finding("PASS", f"{expected} of {expected} NVLink links up", up, expected, "links")
     # Down: reported inactive, or not reported at all below the number the spec expects.
     down = sorted(set(h.nvlink_inactive) | {link for link in range(expected) if link not in present})
     message = f"{label}: {up} of {expected} NVLink links up ({_links_text(down)} down)"
-    return _Finding("FAIL", message, up, expected, "links", _LINKS_REMEDY)
+    return Finding("FAIL", message, up, expected, "links", _LINKS_REMEDY)
 
 
-def _judge_speed(label: str, h: GpuHealth, spec: SystemSpec | None) -> _Finding:
+def _judge_speed(label: str, h: GpuHealth, spec: SystemSpec | None) -> Finding:
     if spec is None:
-        return _skip(NO_SPEC)
+        return skip(NO_SPEC)
     if not spec.nvlink_links_per_gpu:
-        return _skip(f"spec {spec.name} states no NVLink link count: no per-link speed to expect")
+        return skip(f"spec {spec.name} states no NVLink link count: no per-link speed to expect")
     if "nvlink_speed" in h.skipped:
-        return _skip(h.skipped["nvlink_speed"])
+        return skip(h.skipped["nvlink_speed"])
     # The spec's per-direction NVLink figure is the GPU's data rate over all its links, so one link carries
     # figure / links (H100: 450 / 18 = 25 GB/s). NVML reports each link's raw signalling rate one way in
     # MB/s (H100: 26,562), a little above the data rate, so a healthy link reads at or above the expected
@@ -163,52 +158,62 @@ def _judge_speed(label: str, h: GpuHealth, spec: SystemSpec | None) -> _Finding:
     text = f"{expected / 1000:g} GB/s per link ({spec.name}: {spec.nvlink_GBps_per_direction:g} GB/s / "
     text += f"{spec.nvlink_links_per_gpu} links)"
     if not slow:
-        return _Finding("PASS", f"every active NVLink link at >= {text}", None, round(expected), "MB/s")
+        return Finding("PASS", f"every active NVLink link at >= {text}", None, round(expected), "MB/s")
     lowest = min(speeds[link] for link in slow)
     message = f"{label}: NVLink {_links_text(slow)} at {lowest / 1000:.1f} GB/s < {text}"
-    return _Finding("WARN", message, lowest, round(expected), "MB/s", _LINKS_REMEDY)
+    return Finding("WARN", message, lowest, round(expected), "MB/s", _LINKS_REMEDY)
 
 
-def _judge_ecc(label: str, h: GpuHealth) -> _Finding:
+def _judge_ecc(label: str, h: GpuHealth) -> Finding:
     if "ecc" in h.skipped:
-        return _skip(h.skipped["ecc"])
+        return skip(h.skipped["ecc"])
     if not h.ecc_current:
         message = f"{label}: ECC off" + (" (on after the next GPU reset)" if h.ecc_pending else "")
-        return _Finding("WARN", message, "off", "on", "", _ECC_REMEDY)
+        return Finding("WARN", message, "off", "on", "", _ECC_REMEDY)
     if not h.ecc_pending:
         message = f"{label}: ECC on, but off after the next GPU reset (a change is pending)"
-        return _Finding("WARN", message, "on, pending off", "on", "", _ECC_REMEDY)
-    return _Finding("PASS", "ECC on", limit="on")
+        return Finding("WARN", message, "on, pending off", "on", "", _ECC_REMEDY)
+    return Finding("PASS", "ECC on", limit="on")
 
 
-def _judge_persistence(label: str, h: GpuHealth) -> _Finding:
+def _judge_persistence(label: str, h: GpuHealth) -> Finding:
     if "persistence" in h.skipped:
-        return _skip(h.skipped["persistence"])
+        return skip(h.skipped["persistence"])
     if not h.persistence:
         message = f"{label}: persistence mode off (the driver may unload between jobs; slower starts)"
-        return _Finding("WARN", message, "off", "on", "", _PERSISTENCE_REMEDY)
-    return _Finding("PASS", "persistence mode on", limit="on")
+        return Finding("WARN", message, "off", "on", "", _PERSISTENCE_REMEDY)
+    return Finding("PASS", "persistence mode on", limit="on")
 
 
-def _judge_fabric(label: str, h: GpuHealth, spec: SystemSpec | None) -> _Finding:
+def _judge_fabric(label: str, h: GpuHealth, spec: SystemSpec | None) -> Finding:
+    """The multi-node NVLink fabric registration, judged only where the spec's NVLink domain spans hosts
+    (an NVL72 rack): on one host (or without a spec) the NVLink domain is the host and a fabric state that
+    is not "completed" (a single-GPU VM: "not started") is only reported."""
     if "fabric" in h.skipped:
-        return _skip(f"fabric info not readable: {h.skipped['fabric']}")
+        return skip(f"fabric info not readable: {h.skipped['fabric']}")
     multi_host = spec is not None and spec.gpus_per_domain > spec.ranks_per_host
+    if not multi_host:
+        if h.fabric_state == "completed" and not h.fabric_status:
+            return Finding("PASS", "NVLink fabric registration completed", limit="completed")
+        why = NO_SPEC if spec is None else f"{spec.name}'s NVLink domain is one host"
+        if h.fabric_state == "not supported":
+            return skip(f"no multi-node NVLink fabric on this GPU; {why}: the NVLink domain is the host")
+        state = h.fabric_state + (f", NVML status {h.fabric_status}" if h.fabric_status else "")
+        return skip(f"NVLink fabric registration {state}; {why}: the fabric is not judged")
+    assert spec is not None
     if h.fabric_state == "not supported":
-        if not multi_host:
-            return _skip("no multi-node NVLink fabric on this GPU: the NVLink domain is the host")
         message = (
-            f"{label}: GPU has no multi-node NVLink fabric, but {spec.name} has {spec.gpus_per_domain} "  # type: ignore[union-attr]
+            f"{label}: GPU has no multi-node NVLink fabric, but {spec.name} has {spec.gpus_per_domain} "
             "GPUs per NVLink domain across hosts"
         )
-        return _Finding("FAIL", message, h.fabric_state, "completed", "", _FABRIC_REMEDY)
+        return Finding("FAIL", message, h.fabric_state, "completed", "", _FABRIC_REMEDY)
     if h.fabric_state != "completed":
         message = f"{label}: NVLink fabric registration {h.fabric_state} (not completed)"
-        return _Finding("FAIL", message, h.fabric_state, "completed", "", _FABRIC_REMEDY)
+        return Finding("FAIL", message, h.fabric_state, "completed", "", _FABRIC_REMEDY)
     if h.fabric_status:
         message = f"{label}: NVLink fabric registration failed (NVML status {h.fabric_status})"
-        return _Finding("FAIL", message, h.fabric_status, 0, "", _FABRIC_REMEDY)
-    return _Finding("PASS", "NVLink fabric registration completed", limit="completed")
+        return Finding("FAIL", message, h.fabric_status, 0, "", _FABRIC_REMEDY)
+    return Finding("PASS", "NVLink fabric registration completed", limit="completed")
 
 
 def _host_gpus(healths: Sequence[GpuHealth]) -> dict[str, int | None]:
@@ -222,24 +227,24 @@ def _host_gpus(healths: Sequence[GpuHealth]) -> dict[str, int | None]:
 
 def _gpu_count(healths: Sequence[GpuHealth], spec: SystemSpec | None) -> list[Element]:
     if spec is None:
-        return _gather(PREFLIGHT, "GPUs per host", {"every host": _skip(NO_SPEC)})
+        return gather(PREFLIGHT, "GPUs per host", {"every host": skip(NO_SPEC)})
     expected = spec.ranks_per_host
     reasons = {h.host: h.skipped.get("gpu", "GPU count not read") for h in healths}
-    findings: dict[int | str, _Finding] = {}
+    findings: dict[int | str, Finding] = {}
     for host, count in _host_gpus(healths).items():
         key = f"host {host}"
         if count is None:
-            findings[key] = _skip(reasons[host])
+            findings[key] = skip(reasons[host])
         elif count < expected:
             message = f"host {host}: {count} GPU(s) visible to NVML, {spec.name} has {expected} per host"
-            findings[key] = _Finding("FAIL", message, count, expected, "GPUs", _COUNT_REMEDY)
+            findings[key] = Finding("FAIL", message, count, expected, "GPUs", _COUNT_REMEDY)
         else:
             more = (
                 f"host {host}: {count} GPUs visible to NVML, more than {spec.name}'s {expected}: wrong spec?"
             )
             status, text = ("WARN", more) if count > expected else ("PASS", f"{expected} GPUs per host")
-            findings[key] = _Finding(status, text, count, expected, "GPUs", "pass --spec for this system")
-    return _gather(PREFLIGHT, "GPUs per host", findings)
+            findings[key] = Finding(status, text, count, expected, "GPUs", "pass --spec for this system")
+    return gather(PREFLIGHT, "GPUs per host", findings)
 
 
 def _clique_of(h: GpuHealth) -> str:
@@ -259,32 +264,32 @@ def _domains(healths: Sequence[GpuHealth], spec: SystemSpec | None) -> list[Elem
             cliques.setdefault(_clique_of(h), set()).add(h.host)
             host_cliques.setdefault(h.host, set()).add(_clique_of(h))
     if not cliques:
-        return _gather(PREFLIGHT, "GPUs per NVLink domain", {"every host": _skip("no GPU reports a clique")})
+        return gather(PREFLIGHT, "GPUs per NVLink domain", {"every host": skip("no GPU reports a clique")})
     counts, expected = _host_gpus(healths), spec.gpus_per_domain
     job_gpus = len({(h.host, h.uuid) for h in healths if h.uuid})
-    findings: dict[int | str, _Finding] = {}
+    findings: dict[int | str, Finding] = {}
     for clique, hosts in cliques.items():
         count = sum(counts[host] or 0 for host in hosts)
         where = f"{clique} ({len(hosts)} host(s))"
         if count == expected:
-            findings[clique] = _Finding("PASS", f"{expected} GPUs per NVLink domain", count, expected, "GPUs")
+            findings[clique] = Finding("PASS", f"{expected} GPUs per NVLink domain", count, expected, "GPUs")
         elif count > expected or job_gpus >= expected:
             message = f"{where} holds {count} GPUs, {spec.name} has {expected} per NVLink domain"
-            findings[clique] = _Finding("FAIL", message, count, expected, "GPUs", _FABRIC_REMEDY)
+            findings[clique] = Finding("FAIL", message, count, expected, "GPUs", _FABRIC_REMEDY)
         else:
             partial = (
                 f"the job's hosts hold {count} of the domain's {expected} GPUs (part of a domain: not judged)"
             )
-            findings[clique] = _skip(partial)
-    out = _gather(PREFLIGHT, "GPUs per NVLink domain", findings)
-    spans: dict[int | str, _Finding] = {}
+            findings[clique] = skip(partial)
+    out = gather(PREFLIGHT, "GPUs per NVLink domain", findings)
+    spans: dict[int | str, Finding] = {}
     for host, seen in host_cliques.items():
         if len(seen) > 1:
             message = f"host {host}: its GPUs are in {len(seen)} NVLink cliques ({', '.join(sorted(seen))})"
-            spans[f"host {host}"] = _Finding("FAIL", message, len(seen), 1, "cliques", _FABRIC_REMEDY)
+            spans[f"host {host}"] = Finding("FAIL", message, len(seen), 1, "cliques", _FABRIC_REMEDY)
         else:
-            spans[f"host {host}"] = _Finding("PASS", "each host's GPUs in one NVLink clique", 1, 1, "cliques")
-    return out + _gather(PREFLIGHT, "fabric clique", spans)
+            spans[f"host {host}"] = Finding("PASS", "each host's GPUs in one NVLink clique", 1, 1, "cliques")
+    return out + gather(PREFLIGHT, "fabric clique", spans)
 
 
 def _versions(healths: Sequence[GpuHealth]) -> list[Element]:
@@ -301,7 +306,7 @@ def _versions(healths: Sequence[GpuHealth]) -> list[Element]:
                 ranks.setdefault(str(getattr(h, attribute)), []).append(rank)
         if not ranks:
             reason = next(filter(None, (h.skipped.get("gpu") or h.skipped.get(fact) for h in healths)), None)
-            out += _gather(PREFLIGHT, check, {"every rank": _skip(reason or "no rank reported it")})
+            out += gather(PREFLIGHT, check, {"every rank": skip(reason or "no rank reported it")})
             continue
         common = max(ranks, key=lambda version: (len(ranks[version]), version))
         hosts = {v: sorted({healths[r].host for r in rs}) for v, rs in ranks.items()}
@@ -329,11 +334,11 @@ def preflight_elements(
     if not healths:
         return [Element(PREFLIGHT, "GPU health", "SKIP", "no rank reported its GPU health")]
     if all("gpu" in h.skipped for h in healths):  # a CPU run, or no NVML anywhere: one SKIP says it all
-        return _gather(PREFLIGHT, "GPU health", {r: _skip(h.skipped["gpu"]) for r, h in enumerate(healths)})
+        return gather(PREFLIGHT, "GPU health", {r: skip(h.skipped["gpu"]) for r, h in enumerate(healths)})
     spec = spec if spec is not None and has_figures(spec) else None
 
     def label(rank: int) -> str:
-        return _label(rank, healths[rank], names)
+        return rank_label(rank, healths[rank], names)
 
     return [
         *_gpu_count(healths, spec),
@@ -345,120 +350,3 @@ def preflight_elements(
         *_per_gpu("NVLink fabric", healths, lambda r, h: _judge_fabric(label(r), h, spec)),
         *_versions(healths),
     ]
-
-
-def _counter_name(counter: str) -> str:
-    """A counter as messages name it: "nvlink_crc_flit" -> "NVLink CRC flit errors"."""
-    words = {"nvlink": "NVLink", "ecc": "ECC", "crc": "CRC"}
-    return " ".join(words.get(word, word) for word in counter.split("_")) + " errors"
-
-
-def _counter_finding(
-    label: str, counter: str, before: CounterSnapshot, after: CounterSnapshot, max_increase: int
-) -> _Finding:
-    why = before.skipped.get(counter) or after.skipped.get(counter)
-    old, new = before.total(counter), after.total(counter)
-    if why or old is None or new is None:
-        return _skip(why or "not read")
-    name, increase = _counter_name(counter), new - old
-    if increase <= max_increase:
-        return _Finding(
-            "PASS", f"{name}: no increase above {max_increase} during the run", limit=max_increase
-        )
-    first, links = before.nvlink.get(counter, {}), after.nvlink.get(counter, {})
-    grown = [f"link {k} +{n - first.get(k, 0)}" for k, n in sorted(links.items()) if n > first.get(k, 0)]
-    where = f" ({', '.join(grown)})" if grown else ""
-    message = f"{label}: {name} +{increase} during the run ({old} -> {new}){where}"
-    # Corrected ECC errors were fixed by the hardware (the data is intact): a finding to watch, not a fault.
-    status = "WARN" if counter == "ecc_corrected" else "FAIL"
-    return _Finding(status, message, increase, max_increase, "errors", _ERRORS_REMEDY)
-
-
-def _xid_finding(label: str, before: CounterSnapshot, after: CounterSnapshot) -> _Finding:
-    if after.xid_events:
-        xids = ", ".join(
-            f"{xid} ({_XID_NAMES[xid]})" if xid in _XID_NAMES else str(xid) for xid in after.xid_events
-        )
-        message = f"{label}: Xid critical error(s) during the run: Xid {xids}"
-        return _Finding("FAIL", message, len(after.xid_events), 0, "events", _XID_REMEDY)
-    why = before.skipped.get("xid") or after.skipped.get("xid")
-    return _skip(why) if why else _Finding("PASS", "no Xid critical error during the run", limit=0)
-
-
-def _slowdown_finding(label: str, before: CounterSnapshot, after: CounterSnapshot) -> _Finding:
-    why = before.skipped.get("clocks") or after.skipped.get("clocks")
-    if why:
-        return _skip(why)
-    new = [name for name in after.slowdowns if name not in before.slowdowns]
-    old = list(before.slowdowns)
-    if not new and not old:
-        return _Finding("PASS", "no hardware or thermal clock slowdown before or after the run")
-    parts = [f"{', '.join(new)} active after the run"] if new else []
-    parts += [f"{', '.join(old)} already active before it"] if old else []
-    message = f"{label}: clocks slowed: {'; '.join(parts)}"
-    return _Finding("WARN", message, ", ".join(new + old), "none", "", _SLOWDOWN_REMEDY)
-
-
-def counter_elements(
-    before: Sequence[CounterSnapshot],
-    after: Sequence[CounterSnapshot],
-    names: Mapping[int, str] | None = None,
-    max_increase: int = 0,
-) -> list[Element]:
-    """Group "health": each rank's counters after the run against before it. An NVLink or uncorrected
-    ECC counter that grew by more than ``max_increase`` FAILs (corrected ECC: WARN), naming the links that
-    grew; any Xid critical error FAILs; a HW / thermal clock slowdown WARNs. Unread counters SKIP."""
-    if not before or not after:
-        return [Element(HEALTH, "GPU counters", "SKIP", "no counters gathered before and after the run")]
-    pairs = list(zip(before, after, strict=False))
-    unread = {r: b.skipped.get("gpu") or a.skipped.get("gpu") for r, (b, a) in enumerate(pairs)}
-    if all(unread.values()):  # a CPU run, or no NVML anywhere: one SKIP says it all
-        return _gather(HEALTH, "GPU counters", {r: _skip(why) for r, why in unread.items()})  # type: ignore[arg-type]
-    judges = {
-        **{
-            _counter_name(c): (lambda b, a, lb, c=c: _counter_finding(lb, c, b, a, max_increase))
-            for c in (*NVLINK_COUNTERS, *ECC_COUNTERS)
-        },
-        "Xid errors": lambda b, a, lb: _xid_finding(lb, b, a),
-        "clock slowdowns": lambda b, a, lb: _slowdown_finding(lb, b, a),
-    }
-    out = []
-    for check, judge in judges.items():
-        findings: dict[int | str, _Finding] = {}
-        for rank, (b, a) in enumerate(pairs):
-            why = unread[rank]
-            if not why and b.uuid != a.uuid:
-                why = "the rank's GPU changed between before and after"
-            findings[rank] = _skip(why) if why else judge(b, a, _label(rank, a, names))
-        out += _gather(HEALTH, check, findings)
-    return out
-
-
-def health_frame(
-    healths: Sequence[GpuHealth],
-    before: Sequence[CounterSnapshot] = (),
-    after: Sequence[CounterSnapshot] = (),
-) -> pd.DataFrame:
-    """health.csv: one row per rank, its GPU's facts, and each counter before and after the run."""
-    rows = []
-    for rank in range(max(len(healths), len(before), len(after))):
-        row: dict[str, Any] = {"rank": rank}
-        if rank < len(healths):
-            h = healths[rank]
-            row.update({k: v for k, v in h.to_dict().items() if not isinstance(v, (dict, tuple, list))})
-            row["nvlink_active"] = len(h.nvlink_active)
-            row["nvlink_inactive_links"] = " ".join(str(link) for link in h.nvlink_inactive)
-            speeds = list(h.nvlink_speed_MBps.values()) or [h.nvlink_common_speed_MBps]
-            row["nvlink_min_speed_MBps"] = min((s for s in speeds if s), default=None)
-            row["skipped"] = "; ".join(f"{k}: {v}" for k, v in h.skipped.items())
-        for when, snapshots in (("before", before), ("after", after)):
-            if rank < len(snapshots):
-                snap = snapshots[rank]
-                row.update({f"{c}_{when}": snap.total(c) for c in (*NVLINK_COUNTERS, *ECC_COUNTERS)})
-                row[f"slowdowns_{when}"] = ", ".join(snap.slowdowns)
-                row[f"counters_skipped_{when}"] = "; ".join(f"{k}: {v}" for k, v in snap.skipped.items())
-                row.setdefault("host", snap.host)
-        if rank < len(after):
-            row["xid_events"] = " ".join(str(xid) for xid in after[rank].xid_events)
-        rows.append(row)
-    return pd.DataFrame(rows)

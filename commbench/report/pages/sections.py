@@ -15,6 +15,7 @@ from typing import Any
 
 import pandas as pd
 
+from commbench.hardware.nvlink_counters import ALL_NVLINK_COUNTERS
 from commbench.inputs.specs import SystemSpec, has_figures
 from commbench.report.analysis.repeats import repeat_range_section
 from commbench.report.analysis.replicas import replicas_section
@@ -304,7 +305,7 @@ def pairs_sections(pairs: pd.DataFrame, spec: SystemSpec, verdict: Verdict | Non
 
 _HEALTH_HEADERS = ["rank", "host", "GPU", "links up", "min link MB/s", "ECC", "persist.", "driver",
                    "NVLink errors before -> after", "ECC uncorr. before -> after", "Xid"]  # fmt: skip
-_NVLINK_ERRORS = ("nvlink_replay", "nvlink_recovery", "nvlink_crc_flit", "nvlink_crc_data")
+_NVLINK_ERRORS = ALL_NVLINK_COUNTERS  # NVLink 4's and NVLink 5's: each GPU has one of the two
 _ECC = ("ecc_uncorrected",)
 
 

@@ -1,75 +1,27 @@
-"""Preflight and health findings from fake-NVML GPUs: each finding exact, naming rank, host, GPU and link."""
+"""Preflight findings from fake-NVML GPUs: each finding exact, naming rank, host, GPU and link."""
 
 from dataclasses import replace
 
 import pytest
 
-from commbench.hardware.health import NO_GPU, read_health, watch_counters
-from commbench.inputs.specs import load_spec, no_spec
-from commbench.report.judge.preflight import NO_SPEC, counter_elements, health_frame, preflight_elements
+from commbench.hardware.health import NO_GPU, read_health
+from commbench.report.judge.preflight import NO_SPEC, preflight_elements
 from tests.hardware.fake_nvml import (
-    CLUSTER,
     CLUSTER_TEXT,
-    NVML_GPU_FABRIC_STATE_COMPLETED,
     NVML_GPU_FABRIC_STATE_IN_PROGRESS,
+    NVML_GPU_FABRIC_STATE_NOT_STARTED,
     NVML_GPU_FABRIC_STATE_NOT_SUPPORTED,
-    NVML_NVLINK_ERROR_DL_CRC_FLIT,
-    NVML_NVLINK_ERROR_DL_REPLAY,
     FakeGpu,
     FakeNvml,
     NVMLError_NoPermission,
     NVMLError_NotSupported,
-    nvmlClocksEventReasonHwThermalSlowdown,
 )
-
-HGX = load_spec("hgx-h200")
-NVL72 = load_spec("gb300-nvl72")
-NVLINK5_LINK_MBPS = 53125  # what NVML reports per NVLink 5 link (one way, raw): above 900 / 18 = 50 GB/s
+from tests.report.judge.gpus import HGX, NO_SPEC_YET, NVL72, by_status, gather, hgx, nvl72
 
 
 @pytest.fixture(autouse=True)
 def _no_visible_devices(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-
-
-def gather(hosts, driver=None, nccl="2.27.3"):
-    """Every rank's GpuHealth, rank order = host order then GPU order: ``hosts`` is host -> FakeNvml (one
-    rank per GPU); ``driver`` host -> another driver version. NCCL as a CUDA torch would report it."""
-    out = []
-    for host, nvml in hosts.items():
-        nvml.driver = (driver or {}).get(host, nvml.driver)
-        for ordinal in range(len(nvml.gpus)):
-            health = read_health(ordinal, nvml)
-            skipped = {k: v for k, v in health.skipped.items() if k != "nccl"}
-            out.append(replace(health, host=host, nccl_version=nccl, skipped=skipped))
-    return out
-
-
-def hgx(hosts=2, gpus=8, **gpu_options):
-    """HGX H200 hosts: ``gpu_options`` as index -> FakeGpu options for host h1's GPUs (the one to break)."""
-    made = {}
-    for n in range(hosts):
-        options = gpu_options if n == 1 else {}
-        made[f"h{n}"] = FakeNvml([FakeGpu(i, **options.get(f"g{i}", {})) for i in range(gpus)])
-    return made
-
-
-def nvl72(hosts=18, clique=lambda host, gpu: 42, **gpu_options):
-    fabric = NVML_GPU_FABRIC_STATE_COMPLETED, 0, CLUSTER
-    made = {}
-    for n in range(hosts):
-        options = gpu_options if n == 1 else {}
-        default = {"speed_MBps": NVLINK5_LINK_MBPS}
-        gpus = [
-            FakeGpu(i, **{**default, "fabric": (*fabric, clique(n, i)), **options.get(f"g{i}", {})})
-            for i in range(4)
-        ]
-        made[f"h{n}"] = FakeNvml(gpus)
-    return made
-
-
-def by_status(elements, status):
-    return [e for e in elements if e.status == status]
 
 
 def test_a_healthy_nvl72_rack_passes_every_check_once():
@@ -108,8 +60,8 @@ def test_healthy_hgx_hosts_pass_and_the_fabric_check_says_the_domain_is_the_host
     assert [(e.status, e.message) for e in fabric] == [
         (
             "SKIP",
-            "NVLink fabric not checked on ranks 0-15: no multi-node NVLink fabric on this GPU: "
-            "the NVLink domain is the host",
+            "NVLink fabric not checked on ranks 0-15: no multi-node NVLink fabric on this GPU; hgx-h200's "
+            "NVLink domain is one host: the NVLink domain is the host",
         )
     ]
 
@@ -133,12 +85,54 @@ def test_links_missing_below_the_spec_count_are_named_down_too():
     ]
 
 
-def test_without_a_spec_a_reported_down_link_still_fails_and_speed_is_skipped():
-    elements = preflight_elements(gather(hgx(g0={"down": {0}})), no_spec("no GPU spec: unknown GPU"))
-    assert [e.name for e in by_status(elements, "FAIL")] == ["NVLink links: rank 8"]
+def test_without_a_spec_a_link_down_warns_never_fails_and_speed_is_skipped():
+    elements = preflight_elements(gather(hgx(g0={"down": {0}})), NO_SPEC_YET)
+    assert not by_status(elements, "FAIL")
+    assert [e.message for e in by_status(elements, "WARN")] == [
+        f"rank 8 (host h1, GPU 0 [0000:19:00]): 17 of 18 NVLink links up (link 0 down); {NO_SPEC}: not "
+        "judged as a failure"
+    ]
+    passed = next(e for e in elements if e.name == "NVLink links")
+    assert passed.message == f"all 18 present NVLink links up ({NO_SPEC}): ranks 0-7, 9-15"
     skipped = {e.name: e.message for e in by_status(elements, "SKIP")}
     assert skipped["GPUs per host: not checked"] == f"GPUs per host not checked on every host: {NO_SPEC}"
     assert skipped["NVLink speed: not checked"] == f"NVLink speed not checked on ranks 0-15: {NO_SPEC}"
+
+
+def test_a_single_gpu_vm_with_inactive_links_and_no_fabric_passes_without_a_spec():
+    """The H200 test box: one GPU whose 18 NVLinks exist but are inactive (nvmlDeviceGetNvLinkState answers
+    NVML_FEATURE_DISABLED for each) and whose fabric registration is NVML_GPU_FABRIC_STATE_NOT_STARTED
+    (pynvml.py:7194). Without a spec nothing says links or a fabric are expected: SKIPs that say why."""
+    vm = FakeNvml([FakeGpu(0, down=set(range(18)), fabric=(NVML_GPU_FABRIC_STATE_NOT_STARTED, 0, b"", 0))])
+    elements = preflight_elements(gather({"vm": vm}), NO_SPEC_YET)
+    assert not by_status(elements, "FAIL") and not by_status(elements, "WARN")
+    skipped = {e.name: e.message for e in by_status(elements, "SKIP")}
+    assert skipped["NVLink links: not checked"] == (
+        f"NVLink links not checked on rank 0: 18 NVLink links present, none active; {NO_SPEC} (NVLink not "
+        "in use here?)"
+    )
+    assert skipped["NVLink fabric: not checked"] == (
+        f"NVLink fabric not checked on rank 0: NVLink fabric registration not started; {NO_SPEC}: the "
+        "fabric is not judged"
+    )
+    # A spec that states 18 links per GPU judges them: 0 of 18 up is a FAIL there; the fabric of a
+    # one-host domain is still not judged.
+    with_spec = preflight_elements(gather({"vm": vm}), HGX)
+    assert [e.name for e in by_status(with_spec, "FAIL")] == [
+        "GPUs per host: host vm",
+        "NVLink links: rank 0",
+    ]
+    assert next(e for e in with_spec if e.name == "NVLink fabric: not checked").message.endswith(
+        "not started; hgx-h200's NVLink domain is one host: the fabric is not judged"
+    )
+
+
+def test_a_fabric_not_started_fails_where_the_domain_spans_hosts():
+    fabric = (NVML_GPU_FABRIC_STATE_NOT_STARTED, 0, b"", 0)
+    failed = by_status(preflight_elements(gather(nvl72(g0={"fabric": fabric})), NVL72), "FAIL")
+    assert [e.message for e in failed] == [
+        "rank 4 (host h1, GPU 0 [0000:19:00]): NVLink fabric registration not started (not completed)"
+    ]
 
 
 def test_a_slow_link_warns_with_its_speed():
@@ -270,156 +264,3 @@ def test_the_callers_rank_names_are_used():
     assert by_status(elements, "FAIL")[0].message.startswith(
         "rank 9 (host h1, GPU 1 [0000:29:00], pid 7): 17 of 18"
     )
-
-
-# --- counters before and after ------------------------------------------------------------------------------
-
-
-def run_suite(hosts, during=lambda hosts: None):
-    """Snapshots before and after ``during`` changes the fake GPUs; one watch per rank, ranks as gather's."""
-    watches = []
-    for host, nvml in hosts.items():
-        for ordinal in range(len(nvml.gpus)):
-            watches.append((host, watch_counters(ordinal, nvml)))
-    during(hosts)
-    before = [replace(w.before, host=h) for h, w in watches]
-    after = [replace(w.finish(), host=h) for h, w in watches]
-    return before, after
-
-
-def test_unchanged_counters_pass_once_per_kind():
-    before, after = run_suite(hgx(hosts=1, gpus=4))
-    elements = counter_elements(before, after)
-    assert {e.status for e in elements} == {"PASS"} and {e.group for e in elements} == {"health"}
-    assert [e.name for e in elements] == [
-        "NVLink replay errors",
-        "NVLink recovery errors",
-        "NVLink CRC flit errors",
-        "NVLink CRC data errors",
-        "ECC corrected errors",
-        "ECC uncorrected errors",
-        "Xid errors",
-        "clock slowdowns",
-    ]
-    assert elements[0].message == "NVLink replay errors: no increase above 0 during the run: ranks 0-3"
-
-
-def test_a_crc_increment_fails_naming_gpu_counter_and_link():
-    before, after = run_suite(
-        hgx(hosts=1, gpus=4), lambda h: h["h0"].bump(1, NVML_NVLINK_ERROR_DL_CRC_FLIT, 7, 2)
-    )
-    failed = by_status(counter_elements(before, after), "FAIL")
-    assert [(e.name, e.message) for e in failed] == [
-        (
-            "NVLink CRC flit errors: rank 1",
-            "rank 1 (host h0, GPU 1 [0000:29:00]): NVLink CRC flit errors +2 during the run (0 -> 2) "
-            "(link 7 +2)",
-        )
-    ]
-    assert (failed[0].measured, failed[0].limit, failed[0].unit) == (2, 0, "errors")
-
-
-def test_a_replay_increment_fails_and_the_tolerance_is_respected():
-    def errors(hosts):
-        hosts["h0"].bump(2, NVML_NVLINK_ERROR_DL_REPLAY, 0, 2)
-        hosts["h0"].bump(2, NVML_NVLINK_ERROR_DL_REPLAY, 5, 1)
-
-    before, after = run_suite(hgx(hosts=1, gpus=4), errors)
-    failed = by_status(counter_elements(before, after), "FAIL")
-    assert [e.message for e in failed] == [
-        "rank 2 (host h0, GPU 2 [0000:39:00]): NVLink replay errors +3 during the run (0 -> 3) "
-        "(link 0 +2, link 5 +1)"
-    ]
-    assert not by_status(counter_elements(before, after, max_increase=3), "FAIL")
-    assert by_status(counter_elements(before, after, max_increase=2), "FAIL")[0].limit == 2
-
-
-def test_ecc_uncorrected_fails_and_corrected_warns():
-    def ecc(hosts):
-        hosts["h0"].gpus[0].ecc_errors = {0: 5, 1: 1}
-
-    elements = counter_elements(*run_suite(hgx(hosts=1, gpus=2), ecc))
-    assert [(e.status, e.message) for e in by_status(elements, "FAIL") + by_status(elements, "WARN")] == [
-        ("FAIL", "rank 0 (host h0, GPU 0 [0000:19:00]): ECC uncorrected errors +1 during the run (0 -> 1)"),
-        ("WARN", "rank 0 (host h0, GPU 0 [0000:19:00]): ECC corrected errors +5 during the run (0 -> 5)"),
-    ]
-
-
-def test_an_xid_fails_with_its_number():
-    before, after = run_suite(hgx(hosts=1, gpus=2), lambda h: h["h0"].raise_xid(1, 79))
-    failed = by_status(counter_elements(before, after), "FAIL")
-    assert [(e.name, e.message) for e in failed] == [
-        (
-            "Xid errors: rank 1",
-            "rank 1 (host h0, GPU 1 [0000:29:00]): Xid critical error(s) during the run: Xid 79 "
-            "(GPU fallen off the bus)",
-        )
-    ]
-
-
-def test_a_clock_slowdown_warns():
-    def hot(hosts):
-        hosts["h0"].gpus[1].clocks = nvmlClocksEventReasonHwThermalSlowdown
-
-    elements = counter_elements(*run_suite(hgx(hosts=1, gpus=2), hot))
-    assert [e.message for e in by_status(elements, "WARN")] == [
-        "rank 1 (host h0, GPU 1 [0000:29:00]): clocks slowed: HW thermal slowdown active after the run"
-    ]
-    assert not by_status(elements, "FAIL")
-
-
-def test_unreadable_counters_skip_with_the_reason_never_fail():
-    hosts = {
-        "h0": FakeNvml(
-            [
-                FakeGpu(
-                    0,
-                    fail={
-                        "nvmlDeviceGetNvLinkErrorCounter": NVMLError_NotSupported,
-                        "nvmlDeviceRegisterEvents": NVMLError_NoPermission,
-                    },
-                ),
-                FakeGpu(1),
-            ]
-        )
-    }
-    elements = counter_elements(*run_suite(hosts))
-    assert not by_status(elements, "FAIL")
-    skipped = {e.name: e.message for e in by_status(elements, "SKIP")}
-    assert skipped["NVLink replay errors: not checked"].startswith(
-        "NVLink replay errors not checked on rank 0: not supported ("
-    )
-    assert skipped["Xid errors: not checked"].startswith(
-        "Xid errors not checked on rank 0: Xid events not watched: no permission ("
-    )
-    assert next(e for e in elements if e.name == "Xid errors").message.endswith("rank 1")
-
-
-def test_cpu_ranks_and_no_counters_skip():
-    before, after = run_suite({})
-    assert counter_elements(before, after)[0].message == "no counters gathered before and after the run"
-    watches = [watch_counters(None) for _ in range(2)]
-    elements = counter_elements([w.before for w in watches], [w.finish() for w in watches])
-    assert [(e.group, e.name, e.status, e.message) for e in elements] == [
-        ("health", "GPU counters: not checked", "SKIP", f"GPU counters not checked on ranks 0-1: {NO_GPU}")
-    ]
-
-
-def test_health_frame_has_one_row_per_rank_with_facts_and_counters():
-    hosts = hgx(hosts=1, gpus=2, g0={})
-    hosts["h0"].gpus[1].down = {7}
-    healths = gather(hosts)
-    before, after = run_suite(
-        hosts, lambda h: (h["h0"].bump(1, NVML_NVLINK_ERROR_DL_REPLAY, 3, 4), h["h0"].raise_xid(1, 74))
-    )
-    frame = health_frame(healths, before, after)
-    assert list(frame["rank"]) == [0, 1] and list(frame["host"]) == ["h0", "h0"]
-    row = frame.iloc[1]
-    assert (row["nvlink_active"], row["nvlink_inactive_links"], row["nvlink_min_speed_MBps"]) == (
-        17,
-        "7",
-        26562,
-    )
-    assert (row["nvlink_replay_before"], row["nvlink_replay_after"], row["xid_events"]) == (0, 4, "74")
-    assert row["driver_version"] == "580.82.07" and row["bus_id"] == "0000:29:00"
-    assert "fabric: not supported" in row["skipped"]
