@@ -5,13 +5,22 @@ exit 2) naming the value, the estimate and the limit, before any process starts 
 The estimates follow the code's peak holdings, derived from the job's sizes (formulas in ``moe_rank_memory``,
 ``balanced_rank_memory``, ``pattern_bytes`` and ``simulate_bytes``). They aim at the right size, not a
 bound: against the peak RSS of gloo ranks they came within 5-15 % (below) for deepseek-v3 MoE runs and
-~3 % for a 256 MiB balanced run, mock ~30 % above. Routing is taken as uniform: skew makes fewer rows per
-token but more on a hot rank. That matters only near the limit; the sizes the checks exist to refuse (10^9
-tokens per rank, a terabyte all-to-all, 10^8 simulated ranks) are orders of magnitude over it.
+~3 % for a 256 MiB balanced run, mock ~30 % above. For a two-sided backend routing is taken as uniform:
+skew makes fewer rows per token but more on a hot rank. That matters only near the limit; the sizes the
+checks exist to refuse (10^9 tokens per rank, a terabyte all-to-all, 10^8 simulated ranks) are orders of
+magnitude over it.
+
+A one-sided backend (nvshmem, shmem-emu) sizes its symmetric heap for the busiest rank on every rank,
+double-buffered, with a staging copy per phase, and NVSHMEM reserves its heap up front: for these the
+launcher routes every rank (the job's Pattern, as ``commbench pattern`` builds it; a few seconds for a
+large world) and takes the heap from the backend class itself (``Backend.symmetric_memory_bytes``, the
+same function its ``setup`` sizes the heap with), and the rows of the harness's own buffers from the busiest
+rank too. That part is a bound: never below what the backend allocates.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -20,7 +29,10 @@ from typing import TYPE_CHECKING
 from commbench.errors import UsageError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from commbench.inputs.models import ModelConfig
+    from commbench.run.interface import Backend, ExchangeShape
     from commbench.run.jobs import Job
     from commbench.traffic.routing import RoutingConfig
 
@@ -75,9 +87,17 @@ class RankMemory:
     timings: int  # host: per-iteration timings
     buffers_hint: str  # the values that size the buffers
     iters: int  # timed iterations (they size ``timings``)
+    # The rank's device: a one-sided backend's own buffers (its symmetric heap, with what its library
+    # reserves), sized for the busiest rank (``Backend.symmetric_memory_bytes``); 0 for a two-sided one.
+    symmetric: int = 0
+
+    @property
+    def device(self) -> int:
+        """What lives on the rank's device (the GPU, or host memory for CPU ranks)."""
+        return self.buffers + self.symmetric
 
     def total(self) -> int:
-        return self.tables + self.buffers + self.timings
+        return self.tables + self.device + self.timings
 
 
 def format_bytes(count: float) -> str:
@@ -117,59 +137,121 @@ def routing_scratch_bytes(tokens: int) -> int:
     return min(tokens, CHUNK_TOKENS) * ROUTING_SCRATCH_PER_TOKEN
 
 
+def _busiest_rows(rows: np.ndarray) -> int:
+    """The most rows one rank sends or receives in a [src, dst] row matrix."""
+    return int(max(rows.sum(axis=1).max(initial=0), rows.sum(axis=0).max(initial=0)))
+
+
 def moe_rank_memory(
-    cfg: RoutingConfig, send_mode: str, iters: int, imbalance_cost: bool, one_sided: bool
+    cfg: RoutingConfig,
+    send_mode: str,
+    iters: int,
+    imbalance_cost: bool,
+    backend: type[Backend] | None = None,
 ) -> RankMemory:
-    """One rank of an MoE job. With T tokens per rank, top-k k, W ranks, S = T x rows_per_token send rows
-    (also the mean a rank receives), row bytes D (dispatch) and C = 2H (combine), hidden H:
+    """One rank of an MoE job. With T tokens per rank, top-k k, W ranks, S send rows (uniform routing:
+    S = T x rows_per_token, also the mean a rank receives), row bytes D (dispatch) and C = 2H (combine),
+    hidden H:
 
     tables  = W x (12 T k + 20 S + 1 KiB) [+ W x (20 S + 1 KiB), the imbalance-cost reference's plans]
               + 10 T W (counting one source's rows) + 64 W^2 (pattern) + 1280 min(T, 2^18) (routing scratch)
     buffers = T D (token rows) + 3 S D (send, receive, expected rows) + 16 S (checksums) + 32 D (encoding)
               + 2 S C (expert output, returned rows) + 4 S H (float32 weighted rows) + 29 T H (combine output
-              and its check); one-sided backends + S (D + C) (the second receive side)
+              and its check)
     timings = iters x (512 + 64 W)
+
+    ``backend``: a one-sided backend class (module docstring). Then S is the busiest rank's rows of the job's
+    Pattern, its send, receive and returned rows (2 S D + S C) live in its heap instead, and ``symmetric`` is
+    the heap it allocates for the Pattern (and for the imbalance-cost reference's, whichever is larger).
     """
     model, tokens, world = cfg.model, cfg.tokens_per_rank, cfg.world_size
     hidden, dispatch, combine = model.hidden, model.dispatch_bytes_per_token, model.combine_bytes_per_token
     rows = math.ceil(tokens * rows_per_token(model, world, send_mode, cfg.mask_ratio))
+    symmetric = 0
+    one_sided = backend is not None and backend.one_sided
+    if one_sided:
+        assert backend is not None
+        shapes = _moe_exchange_shapes(cfg, send_mode, imbalance_cost)
+        rows = max(_busiest_rows(shape.rows) for shape in shapes)
+        symmetric = max(backend.symmetric_memory_bytes(shape) for shape in shapes)
     plans = world * (rows * PLAN_ROW_BYTES + PLAN_OBJECT_BYTES) * (2 if imbalance_cost else 1)
     tables = world * tokens * model.topk * ROUTING_BYTES_PER_SELECTION + plans + routing_scratch_bytes(tokens)
     tables += HITS_BYTES_PER_TOKEN_RANK * tokens * world + PATTERN_BYTES_PER_PAIR * world * world
     buffers = tokens * dispatch + 3 * rows * dispatch + CHECKSUM_BYTES_PER_ROW * rows
     buffers += ENCODE_SCRATCH_PER_ROW_BYTE * dispatch
     buffers += 2 * rows * combine + 4 * rows * hidden + COMBINE_CHECK_BYTES_PER_ELEMENT * tokens * hidden
-    if one_sided:
-        buffers += rows * (dispatch + combine)
+    if one_sided:  # the send, receive and returned rows are regions of the symmetric heap
+        buffers -= 2 * rows * dispatch + rows * combine
     what = (
         f"{model.name} at --tokens {tokens} (hidden {hidden}, top-{model.topk}, {send_mode} mode) on "
         f"{world} ranks"
     )
     return RankMemory(
-        what, tables, buffers, _timings(iters, world), "--tokens or the model's hidden size", iters
+        what, tables, buffers, _timings(iters, world), "--tokens or the model's hidden size", iters, symmetric
     )
 
 
-def balanced_rank_memory(sizes: list[int], world_size: int, iters: int, one_sided: bool) -> RankMemory:
+def _moe_exchange_shapes(cfg: RoutingConfig, send_mode: str, imbalance_cost: bool) -> list[ExchangeShape]:
+    """The traffic a one-sided backend is set up for in an MoE job: the Pattern's rows (every rank routed
+    here, as the ranks will), and the imbalance-cost reference's (the same total rows spread evenly)."""
+    from commbench.run.interface import ExchangeShape
+    from commbench.traffic.plan import balanced_pair_rows
+    from commbench.traffic.routing import experts_per_rank
+
+    model, world = cfg.model, cfg.world_size
+    rows = _pattern_rows(cfg, send_mode)
+    slots = experts_per_rank(model.num_experts + cfg.replicas, world) if send_mode == "selection" else 1
+    row_bytes = (model.dispatch_bytes_per_token, model.combine_bytes_per_token)
+    shapes = [ExchangeShape(rows, *row_bytes, slots)]
+    if imbalance_cost:
+        shapes.append(ExchangeShape(balanced_pair_rows(world, int(rows.sum())), *row_bytes, slots))
+    return shapes
+
+
+@functools.lru_cache(maxsize=16)
+def _pattern_rows(cfg: RoutingConfig, send_mode: str) -> np.ndarray:
+    """The [src, dst] dispatch rows of the job's Pattern (repeated cases and knob settings route once)."""
+    from commbench.traffic.pattern import build_pattern
+
+    return build_pattern(cfg, send_mode).dispatch_rows
+
+
+def balanced_rank_memory(
+    sizes: list[int], world_size: int, iters: int, backend: type[Backend] | None = None
+) -> RankMemory:
     """One rank of a balanced sweep, at its largest size B (buffers grow to it and stay):
     tables = W x (20 W + 1 KiB) (every rank's plan) + 64 W^2; buffers = 3 B (token rows, receive, expected)
-    + 16 W (checksums) + 32 B / W (encoding scratch), one-sided backends + 2 B (staging and a second
-    receive side)."""
+    + 16 W (checksums) + 32 B / W (encoding scratch). For a one-sided ``backend`` the receive buffer is part
+    of its heap, ``symmetric`` (one row of B / W bytes to every rank)."""
+    from commbench.run.interface import ExchangeShape
+    from commbench.traffic.plan import balanced_row_bytes
+
     largest = max(sizes)
     tables = world_size * (world_size * PLAN_ROW_BYTES + PLAN_OBJECT_BYTES)
     tables += PATTERN_BYTES_PER_PAIR * world_size * world_size
-    buffers = 3 * largest + CHECKSUM_BYTES_PER_ROW * world_size + (2 * largest if one_sided else 0)
+    buffers = 3 * largest + CHECKSUM_BYTES_PER_ROW * world_size
     buffers += ENCODE_SCRATCH_PER_ROW_BYTE * (largest // world_size)
+    symmetric = 0
+    if backend is not None and backend.one_sided:
+        import numpy as np
+
+        ones = np.ones((world_size, world_size), dtype=np.int64)
+        symmetric = backend.symmetric_memory_bytes(
+            ExchangeShape(ones, balanced_row_bytes(world_size, largest), 0)
+        )
+        buffers -= largest  # the receive buffer is the heap's
     what = f"the balanced all-to-all of {largest} B ({format_bytes(largest)}) per rank on {world_size} ranks"
-    return RankMemory(what, tables, buffers, _timings(iters, world_size), "--max-bytes", iters)
+    return RankMemory(what, tables, buffers, _timings(iters, world_size), "--max-bytes", iters, symmetric)
 
 
-def job_memory(job: Job, world_size: int, imbalance_cost: bool, one_sided: bool) -> RankMemory:
-    """The estimate of one job (an MoeJob or a BalancedJob); ``one_sided``: the backend's ``one_sided``
-    (a second side of each receive buffer and a staging buffer, nvshmem's and shmem-emu's heap)."""
+def job_memory(
+    job: Job, world_size: int, imbalance_cost: bool, backend: type[Backend] | None = None
+) -> RankMemory:
+    """The estimate of one job (an MoeJob or a BalancedJob); ``backend``: the launch's backend class (a
+    one-sided one is asked for its heap, module docstring)."""
     if job.kind == "balanced":
-        return balanced_rank_memory(list(job.sizes), world_size, job.iters, one_sided)
-    return moe_rank_memory(job.routing, job.send_mode, job.iters, imbalance_cost, one_sided)
+        return balanced_rank_memory(list(job.sizes), world_size, job.iters, backend)
+    return moe_rank_memory(job.routing, job.send_mode, job.iters, imbalance_cost, backend)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -276,10 +358,10 @@ def check_local_ranks(world_size: int) -> None:
         )
 
 
-def _resolved_backend(backend: str, world_size: int) -> tuple[bool, bool]:
-    """(whether the backend is one-sided, whether its buffers live on GPUs: its process group is nccl), from
-    its class. A backend the launch will refuse (nccl without GPUs, a class that does not load) counts as
-    on the host: the launch's own check gives the message."""
+def _resolved_backend(backend: str, world_size: int) -> tuple[type[Backend] | None, bool]:
+    """(the backend's class, whether its buffers live on GPUs: its process group is nccl). A backend the
+    launch will refuse (nccl without GPUs, a class that does not load) counts as on the host: the launch's
+    own check gives the message."""
     from commbench.backends import load_backend
     from commbench.run.dist import check_group_devices, resolve_backend
 
@@ -287,14 +369,14 @@ def _resolved_backend(backend: str, world_size: int) -> tuple[bool, bool]:
         chosen = resolve_backend(backend, world_size)[0]
         backend_class, _ = load_backend(chosen)
     except UsageError:
-        return False, False
+        return None, False
     if backend_class is None:
-        return False, False
+        return None, False
     try:
         check_group_devices(backend_class.process_group, world_size, chosen)
     except UsageError:
-        return backend_class.one_sided, False
-    return backend_class.one_sided, backend_class.process_group == "nccl"
+        return backend_class, False
+    return backend_class, backend_class.process_group == "nccl"
 
 
 def _dominant(memory: RankMemory, on_gpu: bool) -> tuple[str, str]:
@@ -306,8 +388,17 @@ def _dominant(memory: RankMemory, on_gpu: bool) -> tuple[str, str]:
     ]
     if not on_gpu:
         parts.append((memory.buffers, "send/receive buffers and verification copies", memory.buffers_hint))
+        parts.append((memory.symmetric, "the one-sided backend's symmetric heap", memory.buffers_hint))
     _, label, hint = max(parts, key=lambda part: part[0])
     return label, hint
+
+
+def _device_parts(memory: RankMemory) -> str:
+    """What a rank's device memory holds, for the GPU message."""
+    parts = "send/receive buffers and verification copies"
+    if memory.symmetric:
+        parts += f", of which {format_bytes(memory.symmetric)} the symmetric heap, sized for the busiest rank"
+    return parts
 
 
 def check_launch_fits(jobs: list[Job], world_size: int, backend: str, imbalance_cost: bool) -> None:
@@ -317,12 +408,12 @@ def check_launch_fits(jobs: list[Job], world_size: int, backend: str, imbalance_
     check_local_ranks(world_size)
     if not jobs:
         return
-    one_sided, on_gpu = _resolved_backend(backend, world_size)
+    backend_class, on_gpu = _resolved_backend(backend, world_size)
     local = local_ranks(world_size)
-    estimates = [job_memory(job, world_size, imbalance_cost, one_sided) for job in jobs]
+    estimates = [job_memory(job, world_size, imbalance_cost, backend_class) for job in jobs]
 
     def host_per_rank(memory: RankMemory) -> int:
-        return PROCESS_BYTES + memory.tables + memory.timings + (0 if on_gpu else memory.buffers)
+        return PROCESS_BYTES + memory.tables + memory.timings + (0 if on_gpu else memory.device)
 
     worst = max(estimates, key=host_per_rank)
     per_rank = host_per_rank(worst)
@@ -336,13 +427,13 @@ def check_launch_fits(jobs: list[Job], world_size: int, backend: str, imbalance_
             f"available ({available[1]}); lower {hint}"
         )
     if on_gpu:
-        largest = max(estimates, key=lambda memory: memory.buffers)
+        largest = max(estimates, key=lambda memory: memory.device)
         limit = gpu_memory_per_rank(local)
-        if limit is not None and largest.buffers > limit:
+        if limit is not None and largest.device > limit:
             raise UsageError(
-                f"{largest.what} needs about {format_bytes(largest.buffers)} of GPU memory per rank (send/"
-                f"receive buffers and verification copies), more than the {format_bytes(limit)} a GPU here "
-                f"offers (its total less {format_bytes(GPU_RESERVE_BYTES)} for CUDA and NCCL); lower "
+                f"{largest.what} needs about {format_bytes(largest.device)} of GPU memory per rank "
+                f"({_device_parts(largest)}), more than the {format_bytes(limit)} a GPU here offers (its "
+                f"total less {format_bytes(GPU_RESERVE_BYTES)} for CUDA and NCCL); lower "
                 f"{largest.buffers_hint}"
             )
 

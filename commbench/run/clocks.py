@@ -7,6 +7,14 @@ the answer. Then tr - (t0 + t1) / 2 is rank r's clock minus rank 0's, uncertain 
 (NTP's rule). Clocks are ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: every process of a host reads the
 same clock, so ranks of one host get offsets within their uncertainty of 0). On GPUs the small messages go
 through NCCL with a synchronize on each side, which the uncertainty includes.
+
+Every message is a ``batch_isend_irecv`` of one operation on the job's own communicator, never a bare
+``dist.send``/``dist.recv``: ProcessGroupNCCL (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp,
+``pointToPoint``) keys a lone send/recv by the rank pair and lazily creates a two-rank NCCL communicator for
+it, which here would be one per rank, all made one after the other on rank 0; inside a batch (an active NCCL
+group, ``ncclActiveGroupCounter_ > 0``) it takes the device's communicator, the one the collectives use. The
+ranks not in the current exchange wait in the final gather; the whole estimate takes world x ``rounds``
+round trips.
 """
 
 from __future__ import annotations
@@ -41,6 +49,13 @@ class ClockOffsets:
         return 1e6 * max(self.uncertainty_s, default=0.0)
 
 
+def _message(op: Any, tensor: torch.Tensor, peer: int, group: Any) -> None:
+    """Send or receive ``tensor`` (``op``: ``dist.isend`` or ``dist.irecv``) over the group's own communicator
+    (a batch of one operation: module docstring) and wait for it."""
+    for work in dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group)]):
+        work.wait()
+
+
 def estimate_offsets(comm: Any, rounds: int = DEFAULT_ROUNDS) -> ClockOffsets:
     """Collective: every rank's offset to rank 0 (module docstring); the same result on every rank."""
     world = comm.world_size
@@ -57,8 +72,8 @@ def estimate_offsets(comm: Any, rounds: int = DEFAULT_ROUNDS) -> ClockOffsets:
                 if comm.rank == 0:
                     synchronize_device(device)
                     sent_at = time.perf_counter()
-                    dist.send(message, peer, group=comm.group)
-                    dist.recv(message, peer, group=comm.group)
+                    _message(dist.isend, message, peer, comm.group)
+                    _message(dist.irecv, message, peer, comm.group)
                     synchronize_device(device)
                     back_at = time.perf_counter()
                     peer_clock = float(message.item())
@@ -66,10 +81,10 @@ def estimate_offsets(comm: Any, rounds: int = DEFAULT_ROUNDS) -> ClockOffsets:
                     if peer not in best or trip < best[peer][0]:
                         best[peer] = (trip, peer_clock - (sent_at + back_at) / 2)
                 else:
-                    dist.recv(message, 0, group=comm.group)
+                    _message(dist.irecv, message, 0, comm.group)
                     synchronize_device(device)
                     message.fill_(time.perf_counter())
-                    dist.send(message, 0, group=comm.group)
+                    _message(dist.isend, message, 0, comm.group)
             comm.heartbeat()
     found = comm.all_gather_object(best if comm.rank == 0 else None)[0]
     offsets = tuple(float(found[rank][1]) for rank in range(world))

@@ -21,13 +21,34 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from commbench.run.describe import KernelPattern, LibraryBandwidth
 from commbench.run.steps import NO_STEPS
 from commbench.traffic.plan import RankPlan
+
+
+@dataclass(frozen=True)
+class ExchangeShape:
+    """One job's traffic as a backend sizes its own buffers from it, before a launch: every rank's rows to
+    every rank and the row sizes (``Backend.symmetric_memory_bytes``)."""
+
+    rows: np.ndarray  # int64 [src, dst]: dispatch rows (combine sends each one back: the transpose)
+    dispatch_row_bytes: int
+    combine_row_bytes: int
+    slots: int = 1  # send-count columns per destination: local experts (selection mode), else 1
+
+    @property
+    def busiest_send_rows(self) -> int:
+        return int(np.asarray(self.rows).sum(axis=1).max(initial=0))
+
+    @property
+    def busiest_recv_rows(self) -> int:
+        return int(np.asarray(self.rows).sum(axis=0).max(initial=0))
 
 
 class Backend(abc.ABC):
@@ -39,7 +60,8 @@ class Backend(abc.ABC):
     # bandwidth against the spec. False (gloo, mock, sim, shmem-emu): bandwidth is not judged.
     gpu_fabric: ClassVar[bool] = False
     # True for one-sided (put) backends: each receive buffer has a second side on a symmetric heap (double
-    # buffering) plus a staging buffer, which the launch's memory estimate counts (nvshmem, shmem-emu).
+    # buffering) plus a staging buffer, which the launch's memory estimate counts from the busiest rank
+    # (``symmetric_memory_bytes``; nvshmem, shmem-emu).
     one_sided: ClassVar[bool] = False
     # True where timings are not measured on real hardware (mock, sim, shmem-emu): reports label them.
     emulated: ClassVar[bool] = False
@@ -70,6 +92,19 @@ class Backend(abc.ABC):
     def knobs(self) -> dict[str, Any]:
         """Performance options that land in every result row (e.g. num_blocks, chunk_bytes)."""
         return {}
+
+    @classmethod
+    def symmetric_memory_bytes(cls, shape: ExchangeShape) -> int:
+        """Device bytes per rank that a one-sided backend's own buffers take for a job of ``shape``, at most
+        over its options, with what its library reserves for them (the launch's memory estimate,
+        ``cli.resources``; a backend that sizes its heap itself overrides this with that same function). By
+        default the one-sided layout of the busiest rank: a staging buffer and a double-buffered receive
+        buffer per phase. 0 for a two-sided backend: the estimate counts its send and receive buffers."""
+        if not cls.one_sided:
+            return 0
+        send, recv = shape.busiest_send_rows, shape.busiest_recv_rows
+        dispatch, combine = shape.dispatch_row_bytes, shape.combine_row_bytes
+        return (send + 2 * recv) * dispatch + (recv + 2 * send) * combine
 
     def setup(self, plan: RankPlan) -> None:  # noqa: B027 - optional hook
         """Allocate buffers for ``plan`` (untimed)."""

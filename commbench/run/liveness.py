@@ -163,6 +163,42 @@ def _report_hang(error: CommError) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# One long step
+
+
+class KeepAlive:
+    """Progress beats for one long step the main thread cannot interrupt to beat itself (a kernel compile,
+    a library's start-up): ``beat`` every ``interval_s`` from a helper thread, for at most ``bound_s``. The
+    hang watchdogs (the launcher's, a rank's own) then wait up to ``bound_s`` longer for that step, and no
+    more: a step stuck for good stops beating and is reported as hung one hang bound later. The beats need
+    the interpreter: a C call holding the GIL for longer than the hang bound still looks hung."""
+
+    def __init__(self, beat: Callable[[], None], interval_s: float, bound_s: float) -> None:
+        self.beat, self.interval_s, self.bound_s = beat, float(interval_s), float(bound_s)
+        self.expired = threading.Event()  # the bound passed before the step ended: no more beats
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="commbench-keep-alive", daemon=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic() + self.bound_s
+        while not self._done.wait(self.interval_s):
+            if time.monotonic() >= deadline:
+                self.expired.set()
+                return
+            self.beat()
+
+    def __enter__(self) -> KeepAlive:
+        self.beat()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        self.beat()  # the step is over: that is progress too
+
+
+# ----------------------------------------------------------------------------------------------------------
 # One rank's monitor
 
 _CURRENT: RankMonitor | None = None

@@ -11,7 +11,8 @@ windows run one after the other on every pair of the round together:
 * ``bidir``: ``bandwidth_bytes`` both ways at once (each direction timed on its own receiver).
 
 A window (nccl-tests' back-to-back loop, as the balanced sweep): ``warmup`` untimed messages, then ``repeats``
-(3) times: the receive buffer poisoned, synchronize, barrier, [timer start] ``iters`` messages posted at once
+(3) times: the receive buffer poisoned, the window's ``iters`` point-to-point operations built (Python
+objects: no part of the timed window), synchronize, barrier, [timer start] the operations posted at once
 (``batch_isend_irecv``: grouped on NCCL), wait for the receives [timer stop], wait for the sends, check. A
 direction's time is the median of its receiver's ``repeats`` windows / iters (one descheduled process or one
 hiccup in one window is not a slow link; ``time_us_min`` and ``time_us_max`` keep the range, the noise the
@@ -21,6 +22,14 @@ buffer may be reused, not when the bytes landed). Each window's last message is 
 (``wrong`` bytes; poisoned first, so a message that never came cannot pass). Latency here is the time per
 message of a one-way stream of small messages (nccl-tests sendrecv_perf's "time" at its smallest size), not a
 ping-pong half round trip: a ping-pong mixes both directions, and this test must tell a -> b from b -> a.
+
+What a bidir time is: each end's window while both directions run, ended by the end's own completion as its
+transport reports it. On NCCL a rank's sends and receives of the window are one group (one ``Work``:
+``batch_isend_irecv`` coalesces them, and its receives cannot complete apart from its sends), so the window
+ends when this end's receives AND its own sends completed: the exchange both ways as that end sees it, and a
+slow direction slows both ends' bidir rows (the one-way rows tell which direction). On gloo every operation
+completes on its own: the window ends when this end's receives completed, its sends (the other direction)
+may still be in flight. A one-way window has no sends on its receiver, so both transports time the same.
 
 The ``--inject-delay SRC-DST:US`` test hook (``RunOptions.inject_delay``) makes SRC sleep before each of its
 timed sends to DST; those sends are posted from a helper thread so that SRC's own receives (the other
@@ -143,6 +152,16 @@ def _buffers(rank: int, peer: int, size: int, device: torch.device) -> _Buffers:
     )
 
 
+@dataclass(frozen=True)
+class _Operations:
+    """One window's point-to-point operations on this rank, built before its timer starts."""
+
+    sends: int
+    receive_ops: list[Any]
+    send_ops: list[Any]
+    delayed: bool  # the test hook's delay applies to these sends
+
+
 class _PairExchange:
     """Posts one window's messages between this rank and its peer, the test hook's delay included."""
 
@@ -152,26 +171,36 @@ class _PairExchange:
         self.buffers = buffers
         self.delay_s = delay_s
 
-    def post(self, sends: int, receives: int, delayed: bool) -> tuple[list[Any], list[Any], Any]:
-        """(receive works, send works, the thread posting delayed sends or None)."""
+    def prepare(self, sends: int, receives: int, delayed: bool) -> _Operations:
+        """The operations of ``sends`` and ``receives`` messages (``delayed``: the timed ones, which the test
+        hook's delay holds), as ``post`` takes them."""
         group = self.comm.group
-        send_ops = [dist.P2POp(dist.isend, self.buffers.send, self.peer, group) for _ in range(sends)]
         receive = self.buffers.receive
-        receive_ops = [dist.P2POp(dist.irecv, receive, self.peer, group) for _ in range(receives)]
-        if not delayed or self.delay_s <= 0 or not sends:
-            works = dist.batch_isend_irecv(receive_ops + send_ops) if send_ops or receive_ops else []
-            return works[: len(receive_ops)], works[len(receive_ops) :], None
-        if self.comm.process_group == "nccl":  # one group: the delay holds the whole window (module doc)
-            time.sleep(self.delay_s * sends)
-            works = dist.batch_isend_irecv(receive_ops + send_ops)
-            return works[: len(receive_ops)], works[len(receive_ops) :], None
-        receive_works = dist.batch_isend_irecv(receive_ops) if receive_ops else []
+        receive_ops = [dist.P2POp(dist.irecv, receive, self.peer, group)] * receives
+        delayed = delayed and self.delay_s > 0 and sends > 0
+        # The gloo delay path posts its sends one by one from a helper thread (module docstring).
+        lone_sends = delayed and self.comm.process_group != "nccl"
+        send_ops = [] if lone_sends else [dist.P2POp(dist.isend, self.buffers.send, self.peer, group)] * sends
+        return _Operations(sends, receive_ops, send_ops, delayed)
+
+    def post(self, ops: _Operations) -> tuple[list[Any], list[Any], Any]:
+        """(receive works, send works, the thread posting delayed sends or None). On NCCL the batch is one
+        group with one Work, returned as the receive work (waiting for it waits for the sends too)."""
+        if not ops.delayed:
+            both = ops.receive_ops + ops.send_ops
+            works = dist.batch_isend_irecv(both) if both else []
+            return works[: len(ops.receive_ops)], works[len(ops.receive_ops) :], None
+        if ops.send_ops:  # NCCL: one group, so the delay holds the whole window (module docstring)
+            time.sleep(self.delay_s * ops.sends)
+            works = dist.batch_isend_irecv(ops.receive_ops + ops.send_ops)
+            return works[: len(ops.receive_ops)], works[len(ops.receive_ops) :], None
+        receive_works = dist.batch_isend_irecv(ops.receive_ops) if ops.receive_ops else []
         send_works: list[Any] = []
 
         def send_late() -> None:
-            for _ in range(sends):
+            for _ in range(ops.sends):
                 time.sleep(self.delay_s)
-                send_works.append(dist.isend(self.buffers.send, self.peer, group))
+                send_works.append(dist.isend(self.buffers.send, self.peer, self.comm.group))
 
         thread = threading.Thread(target=send_late, name="commbench-inject-delay", daemon=True)
         thread.start()
@@ -199,7 +228,7 @@ def _run_window(
     with comm.guard(f"pairwise {window.test} warm-up with rank {peer}"):
         for _ in range(job.warmup):
             if exchange is not None:
-                receive_works, send_works, _ = exchange.post(sends, receives, delayed=False)
+                receive_works, send_works, _ = exchange.post(exchange.prepare(sends, receives, False))
                 for work in receive_works + send_works:
                     work.wait()
     seconds = []
@@ -233,6 +262,7 @@ def _timed_messages(
     seconds from the barrier until its last receive completed."""
     if view is not None:
         view.buffers.receive.fill_(POISON)
+    ops = exchange.prepare(sends * job.iters, receives * job.iters, True) if exchange is not None else None
     synchronize_device(comm.device)
     comm.barrier()
     timer = comm.timer()
@@ -241,8 +271,8 @@ def _timed_messages(
         thread = None
         receive_works: list[Any] = []
         send_works: list[Any] = []
-        if exchange is not None:
-            receive_works, send_works, thread = exchange.post(sends * job.iters, receives * job.iters, True)
+        if exchange is not None and ops is not None:
+            receive_works, send_works, thread = exchange.post(ops)
         for work in receive_works:
             work.wait()
         timer.stop(lambda: synchronize_device(comm.device))

@@ -127,8 +127,8 @@ def test_the_memory_estimate_counts_its_gpus_and_its_second_receive_side(
     for variable in TORCHRUN_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     sizes, world, iters = [64 << 20], 4, 5
-    two_sided = balanced_rank_memory(sizes, world, iters, one_sided=False).buffers
-    one_sided = balanced_rank_memory(sizes, world, iters, one_sided=True).buffers
+    two_sided = balanced_rank_memory(sizes, world, iters, get_backend("nccl")).device
+    one_sided = balanced_rank_memory(sizes, world, iters, FakeGpuBackend).device
     assert one_sided > two_sided
     total = GPU_RESERVE_BYTES + (two_sided + one_sided) // 2
     monkeypatch.setattr(torch.cuda, "device_count", lambda: world)

@@ -29,7 +29,7 @@ from commbench.run.heartbeats import (
     exit_if_stranded,
 )
 from commbench.run.launcher import launch_error
-from commbench.run.liveness import RankMonitor, deferred_stop, process_state, remove_scratch
+from commbench.run.liveness import KeepAlive, RankMonitor, deferred_stop, process_state, remove_scratch
 from tests.run.processes import Lines, free_port, kill_marked, new_mark, run_env, start_torchrun_style
 
 TIMEOUT_S = 4.0  # collective timeout of the hang tests: a stopped rank is stale long before it
@@ -348,3 +348,25 @@ def test_torchrun_style_rank_stuck_in_its_step_reports_itself_with_exit_4(tmp_pa
     assert (
         stderr[0].messages()[-1].startswith("commbench: error: rank 0: barrier timed out after 1 s waiting")
     )
+
+
+def test_a_long_step_beats_until_it_ends() -> None:
+    """The helper thread beats while the main thread is busy (here: waiting for four beats, 30 s at most)."""
+    beats: list[float] = []
+    with KeepAlive(lambda: beats.append(time.monotonic()), 0.01, 60.0) as alive:
+        deadline = time.monotonic() + 30
+        while len(beats) < 5 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not alive.expired.is_set()
+    assert len(beats) >= 6  # the first, at least four from the thread, and the step's end
+
+
+def test_a_long_step_stops_beating_at_its_bound() -> None:
+    """A step stuck past the bound goes quiet, so the hang watchdog still reports it, one bound later."""
+    beats: list[int] = []
+    with KeepAlive(lambda: beats.append(1), 0.01, 0.05) as alive:
+        assert alive.expired.wait(30)
+        quiet = len(beats)
+        time.sleep(0.1)
+        assert len(beats) == quiet
+    assert len(beats) == quiet + 1  # the step's end is progress

@@ -118,3 +118,116 @@ def test_bytes_corrupted_below_commbench_are_counted_on_that_pair_only(
 def test_an_odd_world_idles_one_rank_per_round() -> None:
     rows = launch(3, _measure, ((), None), "gloo", 120)
     assert len(rows) == 3 * 6 and all(row["wrong"] == 0 for row in rows)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Against NCCL's contract: one Work per batch, and no Python work inside a timed window.
+
+
+class CoalescedWork:
+    """The one Work NCCL hands back for a whole batch: it completes when every operation of it did."""
+
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self, *args: Any) -> bool:
+        for work in self.works:
+            work.wait(*args)
+        return True
+
+
+def nccl_batches(real: Any) -> Any:
+    """``batch_isend_irecv`` as it behaves on NCCL: torch/distributed/distributed_c10d.py runs the ops in
+    ``_coalescing_manager(group, device, async_ops=True)``, whose exit does ``work =
+    group._end_coalescing(device)`` and ``if async_ops: cm.append(work)``: the batch (one NCCL group) comes
+    back as a single Work, and a rank's receives complete together with its sends. Here the gloo ops run
+    as they do and their Works are folded into one."""
+
+    def batch(ops: list[Any]) -> list[Any]:
+        return [CoalescedWork(real(ops))]
+
+    return batch
+
+
+class TimedWindows:
+    """Counts point-to-point operations built while one of this rank's window timers runs."""
+
+    def __init__(self, comm: Any) -> None:
+        self.running = 0
+        self.built_inside = 0
+        make_timer = comm.timer
+
+        windows = self
+
+        class Timer:
+            def __init__(self) -> None:
+                self.inner = make_timer()
+
+            def start(self) -> None:
+                windows.running += 1
+                self.inner.start()
+
+            def stop(self, synchronize: Any = None) -> None:
+                self.inner.stop(synchronize)
+                windows.running -= 1
+
+            def seconds(self) -> float:
+                return self.inner.seconds()
+
+        class RecordedOp(dist.P2POp):
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                windows.built_inside += windows.running > 0
+                super().__init__(*args, **kwargs)
+
+        self.timer, self.op = Timer, RecordedOp
+
+
+class NcclLike:
+    """This rank's Comm, saying "nccl" as its process group (pairwise then takes its NCCL paths: one batch
+    per window, the injected delay before it); every call still goes to the gloo group."""
+
+    process_group = "nccl"
+
+    def __init__(self, comm: Any, timer: Any) -> None:
+        self._comm, self.timer = comm, timer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+
+def _measure_nccl_like(comm: Any, delay: tuple[int, int, float]) -> tuple[list[dict[str, Any]], int]:
+    windows = TimedWindows(comm)
+    dist.P2POp = windows.op
+    dist.batch_isend_irecv = nccl_batches(dist.batch_isend_irecv)
+    opts = RunOptions(backend="nccl", inject_delay=(InjectedDelay(*delay),))
+    rows = run_pairwise(
+        NcclLike(comm, windows.timer), PairwiseJob(bandwidth_bytes=64 << 10, warmup=1, iters=3), opts
+    )
+    return rows, int(sum(comm.all_gather_object(windows.built_inside)))
+
+
+@pytest.fixture(scope="module")
+def nccl_like() -> tuple[list[dict[str, Any]], int]:
+    return launch(2, _measure_nccl_like, ((0, 1, DELAY_S),), "gloo", 120)
+
+
+def test_no_operation_is_built_inside_a_timed_window(nccl_like: tuple[list[dict[str, Any]], int]) -> None:
+    assert nccl_like[1] == 0
+
+
+def test_one_work_per_batch_is_measured_and_checked(nccl_like: tuple[list[dict[str, Any]], int]) -> None:
+    rows = nccl_like[0]
+    assert sorted((r["test"], r["src"], r["dst"]) for r in rows) == sorted(
+        (test, a, b) for test in TESTS for a, b in ((0, 1), (1, 0))
+    )
+    assert all(row["wrong"] == 0 and row["time_us"] > 0 for row in rows)
+
+
+def test_on_nccl_a_delayed_sender_slows_both_ends_of_its_bidir_window(
+    nccl_like: tuple[list[dict[str, Any]], int],
+) -> None:
+    """One group per window: rank 0's sleep holds its receives too (module docstring), so both bidir rows
+    are slow; the one-way rows still name the direction."""
+    times = _times(nccl_like[0])
+    slow = {key for key, time_us in times.items() if time_us >= DELAY_S * 1e6 / 2}
+    assert slow == {("latency", 0, 1), ("bandwidth", 0, 1), ("bidir", 0, 1), ("bidir", 1, 0)}, times

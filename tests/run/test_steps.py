@@ -1,16 +1,13 @@
 """The profiler's recorders on CPU: named steps partition a call (no nesting), the unprofiled recorder
-costs nothing, and the clock offsets of ranks on one host come out at 0 within their uncertainty."""
+costs nothing (the clock offsets: tests/run/test_clocks.py)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 import torch
 
-from commbench.run.clocks import ClockOffsets, estimate_offsets
-from commbench.run.dist import launch
 from commbench.run.steps import NO_STEPS, StepRecorder
 
 
@@ -42,20 +39,6 @@ def test_steps_do_not_nest_and_the_unprofiled_recorder_is_free() -> None:
     with NO_STEPS("pack"):
         NO_STEPS.peer_arrival(1)
     assert not NO_STEPS.enabled
-
-
-def _offsets(comm: Any) -> ClockOffsets:
-    return estimate_offsets(comm, rounds=5)
-
-
-def test_ranks_of_one_host_have_zero_offset_within_the_uncertainty() -> None:
-    offsets = launch(3, _offsets, (), "gloo", 60)
-    assert offsets.offset_s[0] == 0.0 and offsets.uncertainty_s[0] == 0.0
-    for rank in (1, 2):
-        # One CLOCK_MONOTONIC per host: the estimate is 0 up to half a round trip (plus scheduling slack).
-        assert 0 < offsets.uncertainty_s[rank] < 0.05
-        assert abs(offsets.offset_s[rank]) <= offsets.uncertainty_s[rank] + 0.002
-    assert offsets.to_reference(1, 10.0) == pytest.approx(10.0 - offsets.offset_s[1])
 
 
 @pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA device")

@@ -43,7 +43,7 @@ from commbench.backends.base import CombineReduction
 from commbench.backends.options import BackendOption, DeclaredOptions, put_signal_options
 from commbench.backends.shmem import protocol as proto
 from commbench.errors import CommError, UsageError
-from commbench.run.interface import Backend
+from commbench.run.interface import Backend, ExchangeShape
 from commbench.run.liveness import scratch_name
 from commbench.traffic.payload import POISON_BYTE
 from commbench.traffic.plan import RankPlan
@@ -154,6 +154,16 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
     @property
     def label(self) -> str:
         return "shmem-emu (CPU emulator)"
+
+    @classmethod
+    def symmetric_memory_bytes(cls, shape: ExchangeShape) -> int:
+        """One PE's region of the shared heap file (host memory in /dev/shm; every rank holds one region of
+        it), as ``setup`` lays it out from the busiest rank's capacity, with the signal words of the widest
+        signal option (``protocol.widest_heap``)."""
+        rows = np.asarray(shape.rows)
+        return proto.widest_heap(
+            rows, shape.dispatch_row_bytes, shape.combine_row_bytes, rows.shape[0]
+        ).nbytes
 
     def knobs(self) -> dict[str, Any]:
         dispatch = self._signals[0] if self._signals else None

@@ -17,7 +17,12 @@ Per phase the host launches, with no loop over peers:
 4. combine only: the weighted reduction into token order (``index_add_``, as the all-to-all backends).
 
 The layout (offsets, items, waits) comes from the exchanged counts and is uploaded once per distinct count
-matrix. Options (``--backend-option KEY=VALUE``, all in every result row through ``knobs``):
+matrix. ``setup`` also compiles and loads both kernels (Triton's ``run(..., warmup=True)`` with the first
+launch's arguments, so the launch finds them in Triton's cache; torch's post-compile hook initialises
+NVSHMEM in the loaded module), under heartbeats, then the ranks meet: the first timed (or warm-up) call never
+compiles. The variant ``vdev2d`` allocates only its own symmetric buffers, not the put heap.
+
+Options (``--backend-option KEY=VALUE``, all in every result row through ``knobs``):
 ``num_blocks`` (programs = SMs used; default: all SMs), ``num_warps`` (threads per program / 32),
 ``chunk_bytes`` or ``chunk_rows``, ``signal`` (chunk | segment), ``signal_op`` (add | set),
 ``wait`` (spin | nvshmem), ``put`` (nbi | blocking), ``variant`` (put | vdev2d: torch's
@@ -31,6 +36,8 @@ raises UsageError, which the CLI turns into a one-line message and exit code 2.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import numpy as np
@@ -41,10 +48,12 @@ from commbench.backends.base import CombineReduction
 from commbench.backends.options import MAX_BLOCKS, WARPS, BackendOption, DeclaredOptions, put_signal_options
 from commbench.backends.shmem import protocol as proto
 from commbench.backends.shmem import symmetric as symm
+from commbench.backends.shmem.names import KERNELS
 from commbench.backends.shmem.vdev2d import Vdev2dExchange
 from commbench.errors import CommbenchError, CommError, UsageError
-from commbench.run.describe import COMMUNICATION, COMPUTE, KernelPattern, kernel_names
-from commbench.run.interface import Backend
+from commbench.run.heartbeats import beat_interval_s
+from commbench.run.interface import Backend, ExchangeShape
+from commbench.run.liveness import KeepAlive
 from commbench.traffic.payload import poison_
 from commbench.traffic.plan import RankPlan
 
@@ -55,46 +64,10 @@ KERNEL_HINT = (
     "it needs Triton >= 3.4 and NVSHMEM device bitcode (libnvshmem_device.bc, NVSHMEM_LIB_DIR) of the "
     "NVSHMEM version torch pins; see docs/nvshmem.md"
 )
-# commbench's own Triton kernels (shmem/kernels.py): Triton names a compiled kernel after its @triton.jit
-# function, without parameters (tests/report/test_kernels.py checks these against that file).
-TRITON_KERNELS = ("commbench_put_items", "commbench_wait_signals")
-# The kernels a run of this backend launches, as CUPTI/Kineto name them (report.profiler.kernels): NVSHMEM's
-# own (a compute carve-out first), commbench's put and wait kernels, torch symmetric memory's (vdev2d).
-KERNELS = (
-    KernelPattern(
-        "nvshmem",
-        COMPUTE,
-        kernel_names(r"nvshmemi_init_array_kernel"),
-        "NVIDIA/nvshmem src/host/team/team_internal_cuda.cu (fills a local array at team creation)",
-    ),
-    KernelPattern(
-        "nvshmem",
-        COMMUNICATION,
-        kernel_names(
-            r"(?:nvshmem|nvshmemi|nvshmemx)_\w+"
-            r"|(?:alltoall|broadcast|fcollect|rdxn|reducescatter)_on_stream_kernel"
-            r"|(?:barrier|sync)_on_stream_kernel_threadgroup"
-        ),
-        "NVIDIA/nvshmem src/include/internal/non_abi/nvshmemi_h_to_d_{coll,rma,sync}_defs.cuh (on-stream "
-        "collectives, proxy RMA entry points, wait/signal kernels), src/host/team/team_internal_cuda.cu and "
-        "src/host/stream/coll/rdxn/reduce_team.cu (team creation: puts, barriers, reductions across PEs)",
-    ),
-    KernelPattern(
-        "commbench",
-        COMMUNICATION,
-        kernel_names("|".join(TRITON_KERNELS)),
-        "commbench/backends/shmem/kernels.py (@triton.jit put and wait kernels of --backend nvshmem)",
-    ),
-    KernelPattern(
-        "torch_symm_mem",
-        COMMUNICATION,
-        # allToAllV (all_to_all_vdev), allToAllV_2d (all_to_all_vdev_2d and _2d_offset), the split exchanges
-        # (exchangeSplitAndOffset[Kernel|_2d]) and makeExchangePlan: every kernel of this namespace moves data
-        # or counts between ranks through NVSHMEM.
-        kernel_names(r"c10d::nvshmem_extension::\w+"),
-        "pytorch/pytorch torch/csrc/distributed/c10d/symm_mem/nvshmem_extension.cu",
-    ),
-)
+# How long heartbeats cover one set-up step the main thread cannot beat in: NVSHMEM's start-up with the
+# first symmetric allocation, and compiling and loading the Triton kernels (a cold cache links NVSHMEM's
+# device bitcode: tens of seconds). Past it the step counts as hung (run.liveness.KeepAlive).
+SETUP_STEP_BOUND_S = 600.0
 
 
 class NvshmemBackend(DeclaredOptions, Backend):
@@ -190,6 +163,18 @@ class NvshmemBackend(DeclaredOptions, Backend):
             "put": self.settings["put"],
         }
 
+    @classmethod
+    def symmetric_allocation_bytes(cls, shape: ExchangeShape) -> int:
+        """The symmetric bytes one setup for ``shape`` allocates, the most over its variants and options
+        (``symmetric.setup_symmetric_bytes``); ``setup`` sizes NVSHMEM_SYMMETRIC_SIZE from it."""
+        return symm.setup_symmetric_bytes(shape)
+
+    @classmethod
+    def symmetric_memory_bytes(cls, shape: ExchangeShape) -> int:
+        """GPU bytes per rank for ``shape`` (``symmetric.device_bytes``): the heap NVSHMEM reserves, at least
+        what is allocated in it, and vdev2d's one ordinary buffer beside it."""
+        return symm.device_bytes(shape)
+
     def _reset(self) -> None:
         self._signals: tuple[proto.SignalConfig, proto.SignalConfig] | None = None
         self._capacity: proto.Capacity | None = None
@@ -201,7 +186,7 @@ class NvshmemBackend(DeclaredOptions, Backend):
         self._trackers: dict[str, proto.SignalTracker] = {}
         self._matrix_key: bytes | None = None
         self._errors: dict[str, torch.Tensor] = {}
-        self._row_bytes = 0
+        self._row_bytes = self._combine_row_bytes = 0
         self._reduce = CombineReduction()
         self._vdev: Vdev2dExchange | None = None
         # Kernels that compiled and launched once: later errors pass through unchanged.
@@ -223,6 +208,7 @@ class NvshmemBackend(DeclaredOptions, Backend):
             self.chunk_bytes,
         )
         self._row_bytes = plan.dispatch_row_bytes
+        self._combine_row_bytes = plan.combine_row_bytes
         # A previous setup's views and vdev buffers must not keep old symmetric memory alive (heap budget).
         self._views, self._addr, self._vdev = {}, {}, None
         self._capacity = proto.buffer_capacity(matrix)
@@ -234,15 +220,24 @@ class NvshmemBackend(DeclaredOptions, Backend):
             self._signals[1],
             self.comm.world_size,
         )
-        self._allocate(symm_mem, self._layout.nbytes)
-        assert self._heap is not None
-        base = self._heap.data_ptr()
-        for name, region in self._layout.regions.items():
-            raw = self._heap[region.offset : region.offset + region.nbytes]
-            self._views[name] = raw.view(region.dtype).view(region.shape)
-            self._addr[name] = base + region.offset
-        for phase in proto.PHASES:
-            self._views[f"{phase}_signal"].zero_()
+        # NVSHMEM's heap is sized from the same figure the launch's memory estimate counted.
+        slots = int(plan.send_counts.shape[1])
+        shape = ExchangeShape(
+            proto.row_counts(matrix), plan.dispatch_row_bytes, plan.combine_row_bytes, slots
+        )
+        reserve = self.symmetric_allocation_bytes(shape)
+        device, group, world_group = self.comm.device, self._group_name, self._world_group_name
+
+        def symmetric(*dims: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+            return symm.allocate_symmetric(symm_mem, dims, dtype, device, group, world_group, reserve)
+
+        with self._long_step("nvshmem start-up and symmetric allocation"):
+            if self.variant == "vdev2d":  # its own buffers only: the put heap would be dead weight
+                world = self.comm.world_size
+                self._vdev = Vdev2dExchange(symmetric, plan, self._capacity, world, device, group)
+            else:
+                self._allocate(symm_mem, self._layout.nbytes, reserve)
+                self._map_heap()
         # Nobody may signal into a word that a peer is still clearing.
         self._device_synchronize()
         self.comm.barrier()
@@ -259,17 +254,51 @@ class NvshmemBackend(DeclaredOptions, Backend):
         self._matrix_key = None
         self._device_tables = {}
         self._use_matrix(matrix)
-        if self.variant == "vdev2d":
-            assert self._capacity is not None
-
-            def symmetric(*shape: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-                return symm.symmetric_tensor(symm_mem, shape, dtype, self.comm.device, self._group_name)
-
-            self._vdev = Vdev2dExchange(
-                symmetric, plan, self._capacity, self.comm.world_size, self.comm.device, self._group_name
-            )
-        else:
+        if self.variant == "put":
             self._put, self._wait = self._load_kernels()
+            self._compile_kernels()
+
+    def _map_heap(self) -> None:
+        """The heap's regions as views and symmetric addresses; the signal words zeroed."""
+        assert self._heap is not None and self._layout is not None
+        base = self._heap.data_ptr()
+        for name, region in self._layout.regions.items():
+            raw = self._heap[region.offset : region.offset + region.nbytes]
+            self._views[name] = raw.view(region.dtype).view(region.shape)
+            self._addr[name] = base + region.offset
+        for phase in proto.PHASES:
+            self._views[f"{phase}_signal"].zero_()
+
+    @contextlib.contextmanager
+    def _long_step(self, step: str) -> Iterator[None]:
+        """One set-up step that blocks the main thread for long: named in this rank's heartbeat (a peer's
+        timeout says it is alive in it), with progress beats for at most SETUP_STEP_BOUND_S."""
+        beats = KeepAlive(self.comm.heartbeat, beat_interval_s(self.comm.timeout_s), SETUP_STEP_BOUND_S)
+        with self.comm.guard(step), beats:
+            yield
+
+    def _compile_kernels(self) -> None:
+        """Compile and load both Triton kernels now, untimed (module docstring): each with the arguments of
+        its first launch in either phase, so that launch is a cache hit (Triton's cache key is the arguments'
+        types and specialisations plus the constexprs and options). Then the ranks meet: a rank compiling from
+        a cold cache holds the others here, at most --timeout."""
+        with self._long_step("nvshmem: compiling and loading the Triton kernels"):
+            for phase in proto.PHASES:
+                layout = self._phases[phase]
+                epoch = self._trackers[phase].epoch + 1  # the phase's first launch
+                row_bytes = self._row_bytes if phase == "dispatch" else self._combine_row_bytes
+                launches = (
+                    ("put", self._put, self._put_launch(phase, layout, row_bytes, epoch)),
+                    ("wait", self._wait, self._wait_launch(phase, layout, epoch)),
+                )
+                for name, kernel, (grid, args, kwargs) in launches:
+                    try:
+                        # KernelInterface.warmup is run(..., warmup=True): older Tritons have it on
+                        # JITFunction only, not on torch's requires_nvshmem wrapper; run() is on both.
+                        kernel.run(*args, grid=grid, warmup=True, **kwargs)
+                    except Exception as exc:  # noqa: BLE001 - one line, as a first launch's failure
+                        self._kernel_failed(name, exc)
+            self.comm.barrier()
 
     def _load_kernels(self) -> tuple[Any, Any]:
         try:
@@ -283,12 +312,14 @@ class NvshmemBackend(DeclaredOptions, Backend):
         if self.comm.device.type == "cuda":
             torch.cuda.synchronize(self.comm.device)
 
-    def _allocate(self, symm_mem: Any, nbytes: int) -> None:
+    def _allocate(self, symm_mem: Any, nbytes: int, reserve: int) -> None:
+        """The put heap of ``nbytes`` (kept when the last one is large enough); ``reserve``: the setup's
+        symmetric bytes, which NVSHMEM's heap is sized from when this allocation starts it."""
         if self._heap is not None and self._heap_bytes >= nbytes:
             return
         self._heap = None
         self._heap = symm.allocate_heap(
-            symm_mem, nbytes, self.comm.device, self._group_name, self._world_group_name
+            symm_mem, nbytes, self.comm.device, self._group_name, self._world_group_name, reserve
         )
         self._heap_bytes = nbytes
 
@@ -388,7 +419,7 @@ class NvshmemBackend(DeclaredOptions, Backend):
                 )
 
     def close(self) -> None:
-        if self._heap is not None:
+        if self._heap is not None or self._vdev is not None:
             self._device_synchronize()
         # Symmetric memory is freed collectively by torch when the last reference goes.
         self._heap = None
@@ -407,44 +438,60 @@ class NvshmemBackend(DeclaredOptions, Backend):
             self._launch_waits(phase, layout, epoch)
         return proto.parity(epoch)
 
-    def launch_puts(self, phase: str, layout: proto.PhaseLayout, row_bytes: int, epoch: int) -> None:
-        """The put kernel alone (benchmarks/gpu_check.py times it back to back: loopback bandwidth)."""
+    def _put_launch(
+        self, phase: str, layout: proto.PhaseLayout, row_bytes: int, epoch: int
+    ) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
+        """The put kernel's (grid, arguments, keyword arguments) for one iteration of ``phase``."""
         items, _waits, _epoch0 = self._device_tables[phase]
         recv_region = self._layout[f"{phase}_recv"]  # type: ignore[index]
         recv_addr = self._addr[f"{phase}_recv"] + proto.parity(epoch) * (recv_region.nbytes // 2)
         signals = layout.signals
-        grid = (min(self.num_blocks, layout.num_items),)
+        args = (
+            items,
+            self._addr[f"{phase}_send"],
+            recv_addr,
+            self._addr[f"{phase}_signal"],
+            layout.num_items,
+            row_bytes,
+            proto.signal_value(signals.op, epoch),
+            signals.nvshmem_op,
+        )
+        kwargs = {"BLOCKING": self.settings["put"] == "blocking", "num_warps": self.num_warps}
+        return (min(self.num_blocks, layout.num_items),), args, kwargs
+
+    def _wait_launch(
+        self, phase: str, layout: proto.PhaseLayout, epoch: int
+    ) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
+        """The wait kernel's (grid, arguments, keyword arguments) for one iteration of ``phase``."""
+        _items, waits, epoch0 = self._device_tables[phase]
+        args = (
+            waits,
+            self._addr[f"{phase}_signal"],
+            epoch - epoch0,
+            epoch,
+            int(self.comm.timeout_s * 1e9),
+            self._errors[phase].data_ptr(),
+        )
+        kwargs = {
+            "USE_SET": layout.signals.op == "set",
+            "SPIN": self.settings["wait"] == "spin",
+            "num_warps": 1,
+        }
+        return (int(layout.wait_word.size),), args, kwargs
+
+    def launch_puts(self, phase: str, layout: proto.PhaseLayout, row_bytes: int, epoch: int) -> None:
+        """The put kernel alone (benchmarks/gpu_check.py times it back to back: loopback bandwidth)."""
+        grid, args, kwargs = self._put_launch(phase, layout, row_bytes, epoch)
         try:
-            self._put[grid](
-                items,
-                self._addr[f"{phase}_send"],
-                recv_addr,
-                self._addr[f"{phase}_signal"],
-                layout.num_items,
-                row_bytes,
-                proto.signal_value(signals.op, epoch),
-                signals.nvshmem_op,
-                BLOCKING=self.settings["put"] == "blocking",
-                num_warps=self.num_warps,
-            )
+            self._put[grid](*args, **kwargs)
         except Exception as exc:
             self._kernel_failed("put", exc)
         self._launched.add("put")
 
     def _launch_waits(self, phase: str, layout: proto.PhaseLayout, epoch: int) -> None:
-        _items, waits, epoch0 = self._device_tables[phase]
+        grid, args, kwargs = self._wait_launch(phase, layout, epoch)
         try:
-            self._wait[(int(layout.wait_word.size),)](
-                waits,
-                self._addr[f"{phase}_signal"],
-                epoch - epoch0,
-                epoch,
-                int(self.comm.timeout_s * 1e9),
-                self._errors[phase].data_ptr(),
-                USE_SET=layout.signals.op == "set",
-                SPIN=self.settings["wait"] == "spin",
-                num_warps=1,
-            )
+            self._wait[grid](*args, **kwargs)
         except Exception as exc:
             self._kernel_failed("wait", exc)
         self._launched.add("wait")

@@ -196,6 +196,22 @@ def heap_layout(
     return HeapLayout(regions=regions, nbytes=max(offset, HEAP_ALIGN))
 
 
+# The signal setting with the most words (SET, one word per chunk of one row): a heap laid out with it holds
+# at least as much as one of any other setting, for the launch's estimate made before options are known.
+WIDEST_SIGNALS = SignalConfig(granularity="chunk", op="set", chunk_rows=1)
+
+
+def widest_heap(
+    counts: np.ndarray, dispatch_row_bytes: int, combine_row_bytes: int, world_size: int
+) -> HeapLayout:
+    """The largest heap a setup for ``counts`` lays out, whatever its signal options: ``heap_layout`` of the
+    busiest rank's capacity with ``WIDEST_SIGNALS`` (the launch's memory estimate)."""
+    capacity = buffer_capacity(counts)
+    return heap_layout(
+        capacity, dispatch_row_bytes, combine_row_bytes, WIDEST_SIGNALS, WIDEST_SIGNALS, world_size
+    )
+
+
 @dataclass(frozen=True)
 class PhaseLayout:
     """One rank's view of one phase (dispatch: ``counts``; combine: ``counts.T``).

@@ -11,19 +11,37 @@ Verified against the torch wheels' ``torch/distributed/_symmetric_memory/__init_
 - 2.11 deprecates ``enable_symm_mem_for_group`` ("There is no need to call this function anymore.",
   FutureWarning): it is not called there, unless an allocation still names missing group info (then once,
   with exactly that warning silenced).
+
+``set_backend`` (torch/csrc/distributed/c10d/symm_mem/SymmetricMemory.cpp, ``AllocatorMap::set_backend``)
+returns at once when the backend is already the one chosen, fails with "SymmetricMemory does not find
+allocation backend NVSHMEM" when no NVSHMEM allocator registered itself (torch's NVSHMEM library did not
+load), and with "Backend can not be changed after use." when another backend already allocated: both are
+one-line errors here, with torch's own words.
+
+The heap NVSHMEM reserves per GPU (``NVSHMEM_SYMMETRIC_SIZE``, read once, when NVSHMEM starts at the first
+symmetric allocation) is sized from the symmetric bytes a setup allocates (``default_symmetric_size``); the
+launch's memory estimate counts the same figure (``symmetric_size``), from the same function of the traffic.
+torch's rendezvous of each symmetric tensor takes a signal pad from that heap as well
+(``NVSHMEMPeerAllocInfo``: ``nvshmem_malloc(get_signal_pad_size())``, by default 32 blocks x 72 ranks x 4 B,
+CUDASymmetricMemoryTypes.hpp), counted in ``ALLOCATION_OVERHEAD_BYTES``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
+from commbench.backends.shmem import protocol as proto
+from commbench.backends.shmem.vdev2d import vdev2d_buffers, vdev2d_result_bytes
 from commbench.errors import UsageError
+from commbench.run.interface import ExchangeShape
 
 MIN_TORCH = (2, 9)  # symm_mem.set_backend("NVSHMEM")
 GROUP_SETUP_DEPRECATED_FROM = (2, 11)  # enable_symm_mem_for_group emits a FutureWarning from here on
@@ -95,75 +113,176 @@ def needs_group_setup(version: str) -> bool:
     return release is None or release < GROUP_SETUP_DEPRECATED_FROM
 
 
+SYMMETRIC_SIZE_VARIABLE = "NVSHMEM_SYMMETRIC_SIZE"
+MIN_SYMMETRIC_SIZE = 1 << 30  # NVSHMEM's own default is of this order (about 1 GiB)
+# NVSHMEM's own allocations from the heap (team and collective work arrays) beside commbench's.
+NVSHMEM_RESERVED_BYTES = 256 << 20
+# Per symmetric tensor: torch's signal pad of its rendezvous (9 KiB by default) and nvshmem_malloc's rounding.
+ALLOCATION_OVERHEAD_BYTES = 64 << 10
+# NVSHMEM_SYMMETRIC_SIZE's suffixes (NVSHMEM's environment variable documentation): binary multipliers.
+_SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_TEXT = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([kKmMgGtT]?)")
+
+
+def default_symmetric_size(nbytes: int) -> int:
+    """The NVSHMEM_SYMMETRIC_SIZE commbench sets for setups of ``nbytes`` symmetric bytes, unless the user
+    set one: twice that (a later, larger setup of the same process allocates its heap before the old one's
+    space is reused, and NVSHMEM fixes the size when it starts) plus NVSHMEM's own, at least 1 GiB."""
+    return max(MIN_SYMMETRIC_SIZE, 2 * int(nbytes) + NVSHMEM_RESERVED_BYTES)
+
+
+def parse_symmetric_size(text: str) -> int | None:
+    """NVSHMEM_SYMMETRIC_SIZE as NVSHMEM reads it: a number (integer or decimal, ".5" allowed) with an
+    optional k, m, g or t (binary, either case; what follows the multiplier is ignored), rounded up; None
+    when it is not such a value (NVSHMEM then refuses it itself)."""
+    match = _SIZE_TEXT.match(text)
+    if match is None:
+        return None
+    scale = _SIZE_SUFFIXES.get(match.group(2).lower(), 1)
+    return math.ceil(float(match.group(1)) * scale)
+
+
+def symmetric_size(nbytes: int, environ: Mapping[str, str] | None = None) -> int:
+    """The heap NVSHMEM will reserve per GPU for setups of ``nbytes`` symmetric bytes: the user's
+    NVSHMEM_SYMMETRIC_SIZE where it is set (and readable), else ``default_symmetric_size``."""
+    given = (os.environ if environ is None else environ).get(SYMMETRIC_SIZE_VARIABLE, "")
+    parsed = parse_symmetric_size(given) if given.strip() else None
+    return parsed if parsed is not None else default_symmetric_size(nbytes)
+
+
+def setup_symmetric_bytes(shape: ExchangeShape) -> int:
+    """The symmetric bytes one NVSHMEM backend setup for ``shape`` allocates, the most over its variants and
+    options: the put heap (``protocol.widest_heap``, the busiest rank's capacity), or vdev2d's tensors
+    (``vdev2d_buffers``), each with torch's per-rendezvous overhead."""
+    rows = np.asarray(shape.rows)
+    world = rows.shape[0]
+    heap = proto.widest_heap(rows, shape.dispatch_row_bytes, shape.combine_row_bytes, world).nbytes
+    capacity = proto.buffer_capacity(rows)
+    tensors = vdev2d_buffers(capacity, shape.slots, world, shape.dispatch_row_bytes, shape.combine_row_bytes)
+    vdev = sum(
+        math.prod(max(1, n) for n in dims) * torch.empty((), dtype=dtype).element_size()
+        + ALLOCATION_OVERHEAD_BYTES
+        for dims, dtype in tensors.values()
+    )
+    return max(heap + ALLOCATION_OVERHEAD_BYTES, vdev)
+
+
+def device_bytes(shape: ExchangeShape, environ: Mapping[str, str] | None = None) -> int:
+    """GPU bytes per rank an NVSHMEM backend holds for ``shape``: the heap NVSHMEM reserves
+    (``symmetric_size`` of ``setup_symmetric_bytes``), at least what is allocated in it, and vdev2d's one
+    ordinary buffer beside it (dispatch's rows in source order)."""
+    allocated = setup_symmetric_bytes(shape)
+    result = vdev2d_result_bytes(proto.buffer_capacity(np.asarray(shape.rows)), shape.dispatch_row_bytes)
+    return max(symmetric_size(allocated, environ), allocated) + result
+
+
 def prepare_environment(nbytes: int) -> None:
-    """NVSHMEM reads these when it initializes (the first symmetric allocation); a user's values win."""
-    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(max(1 << 30, 2 * nbytes + (256 << 20))))
+    """NVSHMEM reads these when it initializes (the first symmetric allocation); a user's values win.
+    ``nbytes``: the symmetric bytes of the setup that starts NVSHMEM (``default_symmetric_size``)."""
+    os.environ.setdefault(SYMMETRIC_SIZE_VARIABLE, str(default_symmetric_size(nbytes)))
     # torch >= 2.11 pools symmetric allocations unless told not to: plain nvshmem_malloc keeps the same
     # offsets on all PEs (older versions ignore the variable).
     os.environ.setdefault("TORCH_SYMMMEM_IMPLICIT_POOL", "0")
 
 
-def allocate_heap(
-    symm_mem: Any, nbytes: int, device: torch.device, group_name: str, world_group_name: str
-) -> torch.Tensor:
-    """One symmetric uint8 tensor of ``nbytes`` on ``device``, rendezvoused over ``group_name``.
+def select_nvshmem(symm_mem: Any) -> None:
+    """``set_backend("NVSHMEM")``; its failure is a one-line UsageError with torch's words and what they
+    mean (module docstring), never swallowed: the rest of the set-up would fail with a later, vaguer error."""
+    try:
+        symm_mem.set_backend("NVSHMEM")
+    except RuntimeError as exc:
+        if "can not be changed" in str(exc):
+            hint = (
+                "another symmetric memory backend allocated first in this process; run commbench on its own"
+            )
+        else:
+            hint = (
+                "torch's NVSHMEM allocator is not there: its NVSHMEM library (libtorch_nvshmem.so and the "
+                "nvidia-nvshmem wheel this torch pins) did not load; see docs/nvshmem.md"
+            )
+        raise UsageError(
+            f"nvshmem: torch symmetric memory cannot use NVSHMEM ({error_summary(exc)}); {hint}"
+        ) from None
 
-    Selects NVSHMEM, sets up the default group (NVSHMEM's bootstrap) and ``group_name`` where this torch
-    needs it, and turns a failure into a one-line UsageError with the error's own words; the
-    NVSHMEM_SYMMETRIC_SIZE advice comes only when the error is about memory.
+
+def allocate_heap(
+    symm_mem: Any,
+    nbytes: int,
+    device: torch.device,
+    group_name: str,
+    world_group_name: str,
+    reserve_bytes: int | None = None,
+) -> torch.Tensor:
+    """One symmetric uint8 tensor of ``nbytes`` on ``device``, rendezvoused over ``group_name``
+    (``allocate_symmetric``)."""
+    return allocate_symmetric(
+        symm_mem, (nbytes,), torch.uint8, device, group_name, world_group_name, reserve_bytes
+    )
+
+
+def allocate_symmetric(
+    symm_mem: Any,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    group_name: str,
+    world_group_name: str,
+    reserve_bytes: int | None = None,
+) -> torch.Tensor:
+    """One symmetric tensor on ``device``, rendezvoused over ``group_name``: every symmetric allocation of
+    the NVSHMEM backend goes through here.
+
+    Sizes NVSHMEM's heap from ``reserve_bytes`` (the setup's symmetric bytes; this tensor's own when None)
+    before the first allocation starts NVSHMEM, selects NVSHMEM, sets up the default group (NVSHMEM's
+    bootstrap) and ``group_name`` where this torch needs it, and turns a failure into a one-line UsageError
+    with the error's own words; the NVSHMEM_SYMMETRIC_SIZE advice comes only when the error is about memory.
     """
-    prepare_environment(nbytes)
-    refused = choose_nvshmem(symm_mem)
+    nbytes = math.prod(max(1, int(n)) for n in shape) * torch.empty((), dtype=dtype).element_size()
+    reserve = int(reserve_bytes) if reserve_bytes is not None else nbytes
+    prepare_environment(reserve)
+    select_nvshmem(symm_mem)
     groups = (world_group_name, group_name)
     set_up_first = needs_group_setup(str(torch.__version__))
     try:
         if set_up_first:
             enable_groups(symm_mem, groups)
         try:
-            heap = symmetric_tensor(symm_mem, (nbytes,), torch.uint8, device, group_name)
+            heap = symmetric_tensor(symm_mem, shape, dtype, device, group_name)
         except RuntimeError as exc:
             if set_up_first or _MISSING_GROUP not in str(exc):
                 raise
             enable_groups(symm_mem, groups)  # a torch that still needs it despite its version: once more
-            heap = symmetric_tensor(symm_mem, (nbytes,), torch.uint8, device, group_name)
+            heap = symmetric_tensor(symm_mem, shape, dtype, device, group_name)
     except (RuntimeError, torch.cuda.OutOfMemoryError) as exc:
-        raise allocation_error(exc, nbytes, refused) from None
+        raise allocation_error(exc, nbytes, reserve) from None
     # The kernels address the heap through NVSHMEM: memory of another symmetric backend would fault.
     backend = getattr(symm_mem, "get_backend", lambda device: "NVSHMEM")(device)
     if backend not in (None, "NVSHMEM"):
-        cause = f": set_backend('NVSHMEM') said {error_summary(refused)}" if refused is not None else ""
         raise UsageError(
-            f"nvshmem: torch symmetric memory uses the {backend} backend in this process, not NVSHMEM"
-            f"{cause} (set_backend must come before any other symmetric allocation); run commbench on its own"
+            f"nvshmem: torch symmetric memory uses the {backend} backend in this process, not NVSHMEM "
+            "(set_backend must come before any other symmetric allocation); run commbench on its own"
         )
     return heap
 
 
-def choose_nvshmem(symm_mem: Any) -> RuntimeError | None:
-    """``set_backend("NVSHMEM")``; the error it raised, kept (None when it took). An earlier set-up in this
-    process may have chosen it already, which torch refuses harmlessly; any other refusal (NVSHMEM not built
-    in, a backend fixed by an earlier allocation) is the real cause of what fails next, so the caller's
-    message quotes it instead of losing it."""
-    try:
-        symm_mem.set_backend("NVSHMEM")
-    except RuntimeError as exc:
-        return exc
-    return None
-
-
-def allocation_error(exc: BaseException, nbytes: int, refused: BaseException | None = None) -> UsageError:
-    """The one-line error of a failed symmetric allocation: its real cause (and ``set_backend``'s refusal
-    before it, when there was one); heap advice only for memory."""
-    first = f"; set_backend('NVSHMEM') had said {error_summary(refused)}" if refused is not None else ""
-    message = (
-        f"nvshmem: could not allocate a {nbytes / 2**20:.1f} MiB symmetric heap ({error_summary(exc)}{first})"
-    )
+def allocation_error(exc: BaseException, nbytes: int, reserve_bytes: int | None = None) -> UsageError:
+    """The one-line error of a failed symmetric allocation: its real cause; heap advice only for memory
+    (``reserve_bytes``: the setup's symmetric bytes, which the heap must hold)."""
+    message = f"nvshmem: could not allocate a {nbytes / 2**20:.1f} MiB symmetric heap ({error_summary(exc)})"
     if is_heap_size_error(exc):
-        size = os.environ.get("NVSHMEM_SYMMETRIC_SIZE", "unset")
-        message += (
-            f"; NVSHMEM_SYMMETRIC_SIZE is {size}: set it above {2 * nbytes} bytes (and within GPU memory) "
-            "or use fewer tokens"
-        )
+        size = os.environ.get(SYMMETRIC_SIZE_VARIABLE, "unset")
+        need = (reserve_bytes if reserve_bytes is not None else nbytes) + NVSHMEM_RESERVED_BYTES
+        current = parse_symmetric_size(size)
+        if current is None or current < need:
+            message += (
+                f"; NVSHMEM_SYMMETRIC_SIZE is {size}: set it to at least {need} bytes (and within GPU "
+                "memory) or use fewer tokens"
+            )
+        else:
+            message += (
+                f"; NVSHMEM_SYMMETRIC_SIZE ({size}) holds the {need} bytes this setup needs, so the GPU has "
+                "no room for the heap: use fewer tokens"
+            )
     return UsageError(message)
 
 

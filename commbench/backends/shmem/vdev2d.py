@@ -40,6 +40,31 @@ def check_vdev2d(world_size: int, slots: int) -> None:
         )
 
 
+def vdev2d_buffers(
+    capacity: proto.Capacity, slots: int, world_size: int, dispatch_row_bytes: int, combine_row_bytes: int
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The symmetric tensors of one setup, name -> (shape, dtype): what ``Vdev2dExchange`` allocates and
+    the launch's memory estimate counts (``NvshmemBackend.symmetric_allocation_bytes``)."""
+    splits = world_size * slots
+    disp, comb = dispatch_row_bytes, max(1, combine_row_bytes)
+    # Byte tensors: splits and offsets in bytes mean the same whether torch counts dim-0 rows or elements.
+    return {
+        "send": ((capacity.send_rows * disp,), torch.uint8),
+        "out": (((capacity.recv_rows + slots) * disp,), torch.uint8),  # + one row of padding per expert
+        "in_splits": ((splits,), torch.int64),
+        "out_splits_offsets": ((2, splits), torch.int64),
+        "combine_in": ((capacity.recv_rows * comb,), torch.uint8),
+        "combine_out": ((capacity.send_rows * comb,), torch.uint8),
+        "combine_in_splits_offsets": ((2, splits), torch.int64),
+        "combine_out_splits_offsets": ((2, splits), torch.int64),
+    }
+
+
+def vdev2d_result_bytes(capacity: proto.Capacity, dispatch_row_bytes: int) -> int:
+    """The one ordinary device buffer beside them: dispatch's rows gathered back into source order."""
+    return capacity.recv_rows * dispatch_row_bytes
+
+
 class Vdev2dExchange:
     """The symmetric buffers of one setup and the two torch ops over them."""
 
@@ -54,20 +79,20 @@ class Vdev2dExchange:
     ) -> None:
         slots = int(plan.send_counts.shape[1])
         check_vdev2d(world_size, slots)
-        splits = world_size * slots
-        disp, comb = plan.dispatch_row_bytes, max(1, plan.combine_row_bytes)
         self.device = device
         self.group_name = group_name
         self._order: tuple[torch.Tensor, torch.Tensor] | None = None
-        # Byte tensors: splits and offsets in bytes mean the same whether torch counts dim-0 rows or elements.
-        self.send = symmetric(capacity.send_rows * disp)
-        self.out = symmetric((capacity.recv_rows + slots) * disp)  # + one row of padding per expert
-        self.in_splits = symmetric(splits, dtype=torch.int64)
-        self.out_splits_offsets = symmetric(2, splits, dtype=torch.int64)
-        self.combine_in = symmetric(capacity.recv_rows * comb)
-        self.combine_out = symmetric(capacity.send_rows * comb)
-        self.combine_in_splits_offsets = symmetric(2, splits, dtype=torch.int64)
-        self.combine_out_splits_offsets = symmetric(2, splits, dtype=torch.int64)
+        shapes = vdev2d_buffers(capacity, slots, world_size, plan.dispatch_row_bytes, plan.combine_row_bytes)
+        buffers = {name: symmetric(*shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+        self.send = buffers["send"]
+        self.out = buffers["out"]
+        self.in_splits = buffers["in_splits"]
+        self.out_splits_offsets = buffers["out_splits_offsets"]
+        self.combine_in = buffers["combine_in"]
+        self.combine_out = buffers["combine_out"]
+        self.combine_in_splits_offsets = buffers["combine_in_splits_offsets"]
+        self.combine_out_splits_offsets = buffers["combine_out_splits_offsets"]
+        disp = plan.dispatch_row_bytes
         self.result = torch.empty((capacity.recv_rows, disp), dtype=torch.uint8, device=device)
 
     def receive_buffers(self) -> list[torch.Tensor]:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import os
 import sys
+import time
+from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -133,52 +139,159 @@ def test_one_pe_dispatch_and_combine_verified(options: dict, send_mode: str) -> 
 # combine reduction) with the two Triton kernels replaced by Python versions of what they do on one PE.
 
 
-class FakePut:
+def _do_not_specialize() -> dict[str, tuple[int, ...]]:
+    """Each Triton kernel's ``do_not_specialize`` argument positions, from its ``@triton.jit(...)`` in
+    shmem/kernels.py (which imports Triton, absent on CPU machines: its source is read instead)."""
+    import commbench.backends.shmem as package
+
+    tree = ast.parse((Path(package.__file__).parent / "kernels.py").read_text())
+    found = {}
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            if isinstance(decorator, ast.Call) and getattr(decorator.func, "attr", "") == "jit":
+                names = [a.arg for a in node.args.args]
+                for keyword in decorator.keywords:
+                    if keyword.arg == "do_not_specialize":
+                        listed = {element.value for element in keyword.value.elts}  # type: ignore[attr-defined]
+                        found[node.name] = tuple(i for i, name in enumerate(names) if name in listed)
+    return found
+
+
+DO_NOT_SPECIALIZE = _do_not_specialize()
+
+
+class FakeTritonKernel:
+    """A Triton kernel as torch's ``requires_nvshmem`` hands it out, with Triton's compile cache.
+
+    Contract: torch/distributed/_symmetric_memory/_nvshmem_triton.py returns
+    ``GridCallableWithExtern(KernelInterface)``, whose ``run(*args, **kwargs)`` calls
+    ``self.jit_func.run(*args, **kwargs, extern_libs=self.extern_libs)``. triton/runtime/jit.py (3.4):
+    ``KernelInterface.__getitem__(grid)`` is ``lambda *args, **kwargs: self.run(grid=grid, warmup=False,
+    *args, **kwargs)`` and has no ``warmup`` (only ``JITFunction.warmup`` does, in that release, so this fake
+    has none either); ``JITFunction.run(*args, grid, warmup, **kwargs)`` keys its cache by
+    ``str(specialization) + str(options)`` (each argument's type: a pointer and its 16-byte alignment, an
+    int as i32 / i64 / u64 by value, and unless it is in ``do_not_specialize`` whether it is 1 or a multiple
+    of 16; the constexpr and option keywords), compiles on a miss (``_do_compile(..., warmup)``, which calls
+    ``jit_post_compile_hook``, torch's NVSHMEM module init) and launches only ``if not warmup``."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.dns = DO_NOT_SPECIALIZE[self.name]
+        self.compiled: set[str] = set()
+        self.compiled_at_launch = 0  # launches that had to compile first (inside a timed region)
+        self.launches = 0
+        self.on_compile: Any = None  # called while "compiling"
+
+    def key(self, args: tuple, kwargs: dict) -> str:
+        parts: list[tuple] = []
+        for i, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor):
+                parts.append((f"*{arg.dtype}", arg.data_ptr() % 16 == 0))
+            elif isinstance(arg, bool):
+                parts.append(("i1",))
+            else:
+                value = int(arg)
+                kind = "i32" if -(2**31) <= value < 2**31 else "i64" if value < 2**63 else "u64"
+                parts.append((kind,) if i in self.dns else (kind, value == 1, value % 16 == 0))
+        return str(parts) + str(sorted(kwargs.items()))
+
+    def __getitem__(self, grid: tuple[int]) -> Any:
+        return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
+
+    def run(self, *args: Any, grid: tuple[int], warmup: bool, **kwargs: Any) -> None:
+        key = self.key(args, kwargs)
+        if key not in self.compiled:
+            if self.on_compile is not None:
+                self.on_compile()
+            self.compiled.add(key)
+            self.compiled_at_launch += not warmup
+        if not warmup:
+            self.launches += 1
+            self.execute(grid, *args, **kwargs)
+
+    def execute(self, grid: tuple[int], *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+
+class FakePut(FakeTritonKernel):
     """commbench_put_items on one PE: copy each item's rows inside the heap, then its signal op."""
 
+    name = "commbench_put_items"
+
     def __init__(self, heap: torch.Tensor, drop: bool = False) -> None:
-        self.heap, self.drop, self.launches = heap, drop, 0
+        super().__init__()
+        self.heap, self.drop = heap, drop
 
-    def __getitem__(self, grid: tuple[int]):
-        def run(items, send_addr, recv_addr, sig_addr, num_items, row_bytes, sig_value, sig_op, **_):
-            self.launches += 1
-            base = self.heap.data_ptr()
-            assert items.shape == (num_items, 5) and 1 <= grid[0] <= num_items
-            for pe, src_row, dst_row, rows, word in items.tolist():
-                assert pe == 0
-                if self.drop:
-                    continue
-                src = send_addr - base + src_row * row_bytes
-                dst = recv_addr - base + dst_row * row_bytes
-                self.heap[dst : dst + rows * row_bytes] = self.heap[src : src + rows * row_bytes].clone()
-                offset = sig_addr - base + word * 8
-                signal = self.heap[offset : offset + 8].view(torch.int64)
-                signal.copy_(signal + sig_value if sig_op == 10 else torch.full_like(signal, sig_value))
-
-        return run
+    def execute(
+        self, grid, items, send_addr, recv_addr, sig_addr, num_items, row_bytes, sig_value, sig_op, **_
+    ):
+        base = self.heap.data_ptr()
+        assert items.shape == (num_items, 5) and 1 <= grid[0] <= num_items
+        for pe, src_row, dst_row, rows, word in items.tolist():
+            assert pe == 0
+            if self.drop:
+                continue
+            src = send_addr - base + src_row * row_bytes
+            dst = recv_addr - base + dst_row * row_bytes
+            self.heap[dst : dst + rows * row_bytes] = self.heap[src : src + rows * row_bytes].clone()
+            offset = sig_addr - base + word * 8
+            signal = self.heap[offset : offset + 8].view(torch.int64)
+            signal.copy_(signal + sig_value if sig_op == 10 else torch.full_like(signal, sig_value))
 
 
-class FakeWait:
+class FakeWait(FakeTritonKernel):
     """commbench_wait_signals without waiting: flags every word short of its expected value."""
 
+    name = "commbench_wait_signals"
+
     def __init__(self, heap: torch.Tensor, flags: dict) -> None:
+        super().__init__()
         self.heap, self.flags = heap, flags
 
-    def __getitem__(self, grid: tuple[int]):
-        def run(waits, sig_addr, epoch_delta, epoch, timeout_ns, err_addr, USE_SET, SPIN, **_):  # noqa: N803
-            words = self.heap[sig_addr - self.heap.data_ptr() :].view(torch.int64)
-            table = waits.tolist()
-            assert len(table) == grid[0] and timeout_ns > 0
-            for i, (word, base, increment) in enumerate(table):
-                expected = epoch if USE_SET else base + increment * epoch_delta
-                if int(words[word]) < expected:
-                    self.flags[err_addr][i] = 1
-
-        return run
+    def execute(self, grid, waits, sig_addr, epoch_delta, epoch, timeout_ns, err_addr, USE_SET, SPIN, **_):  # noqa: N803
+        words = self.heap[sig_addr - self.heap.data_ptr() :].view(torch.int64)
+        table = waits.tolist()
+        assert len(table) == grid[0] and timeout_ns > 0
+        for i, (word, base, increment) in enumerate(table):
+            expected = epoch if USE_SET else base + increment * epoch_delta
+            if int(words[word]) < expected:
+                self.flags[err_addr][i] = 1
 
 
-def host_side_backend(monkeypatch, options: dict, drop: bool = False) -> NvshmemBackend:
-    def allocate(self, symm_mem, nbytes):  # a CPU tensor stands in for the symmetric heap
+class FakeComm:
+    """One rank's Comm for the host-side tests: collectives do nothing; operations and beats recorded."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device, self.timeout_s, self.group = torch.device("cpu"), 1.0, None
+        self.operations: list[str] = []
+        self.beats = 0
+
+    @contextlib.contextmanager
+    def guard(self, operation: str):
+        self.operations.append(operation)
+        yield
+
+    def heartbeat(self) -> None:
+        self.beats += 1
+
+    def barrier(self) -> None:
+        pass
+
+
+def host_side_backend(
+    monkeypatch, options: dict, drop: bool = False, world: int = 1, rank: int = 0, matrix=None
+) -> NvshmemBackend:
+    """The backend with a CPU tensor as its heap and the fake kernels; ``matrix``: every rank's send counts
+    [src, dst, slots] (one rank's own by default). ``backend.allocations``: (heap bytes, reserve) of each
+    heap allocation."""
+    allocations: list[tuple[int, int]] = []
+
+    def allocate(self, symm_mem, nbytes, reserve):  # a CPU tensor stands in for the symmetric heap
+        allocations.append((nbytes, reserve))
         self._heap = torch.zeros(nbytes + 4096, dtype=torch.uint8)
         self._heap_bytes = nbytes
 
@@ -191,12 +304,16 @@ def host_side_backend(monkeypatch, options: dict, drop: bool = False) -> Nvshmem
     def bind_device(self):  # the default group's name, as on a one-rank job
         self._group_name = self._world_group_name = "0"
 
+    def gather_counts(self, counts):
+        return counts.numpy()[None].copy() if matrix is None else np.asarray(matrix).copy()
+
     monkeypatch.setattr(NvshmemBackend, "_bind_device", bind_device)
     monkeypatch.setattr(NvshmemBackend, "_allocate", allocate)
     monkeypatch.setattr(NvshmemBackend, "_load_kernels", load_kernels)
-    monkeypatch.setattr(NvshmemBackend, "_gather_counts", lambda self, counts: counts.numpy()[None].copy())
-    comm = SimpleNamespace(**vars(fake_comm()), barrier=lambda: None)
-    return NvshmemBackend(comm, {"num_blocks": 4, **options})
+    monkeypatch.setattr(NvshmemBackend, "_gather_counts", gather_counts)
+    backend = NvshmemBackend(FakeComm(rank, world), {"num_blocks": 4, **options})
+    backend.allocations = allocations  # type: ignore[attr-defined]
+    return backend
 
 
 @pytest.mark.parametrize(
@@ -230,6 +347,9 @@ def test_host_side_over_iterations_with_python_kernels(monkeypatch, options: dic
     plan = plan_rank(route_rank(cfg, 0), model, 1, send_mode)
     backend = host_side_backend(monkeypatch, options)
     backend.setup(plan)
+    # Both kernels compiled in setup, none launched: the first timed call finds them in Triton's cache.
+    assert backend._put.compiled and backend._wait.compiled
+    assert backend._put.launches == backend._wait.launches == 0
     tokens = encode_rows(0, torch.arange(plan.num_tokens), plan.dispatch_row_bytes)
     reference, tolerance = expected_combine(plan, model.hidden)
     for _ in range(3):  # epochs 1..3: both receive buffers, running signal totals / epochs
@@ -243,6 +363,7 @@ def test_host_side_over_iterations_with_python_kernels(monkeypatch, options: dic
         backend.synchronize()
         assert count_wrong_combine(combined, reference, tolerance) == 0
     assert backend._put.launches == 6
+    assert backend._put.compiled_at_launch == backend._wait.compiled_at_launch == 0
     knobs = backend.knobs()
     assert knobs["num_blocks"] == 4 and knobs["chunk_bytes"] == knobs["chunk_rows"] * plan.dispatch_row_bytes
     backend.close()
@@ -322,3 +443,122 @@ def test_first_kernel_failure_is_one_line_later_ones_pass_through(monkeypatch) -
     backend._put = Broken()
     with pytest.raises(RuntimeError, match="LLVM ERROR"):
         backend.dispatch(tokens, plan, counts)
+
+
+def test_the_kernels_compile_in_setup_under_heartbeats(monkeypatch) -> None:
+    """A compile that takes a while (a cold Triton cache) runs in setup, named in this rank's heartbeat and
+    with progress beats all along: the launcher's hang bound does not call it a hang."""
+    import torch.distributed._symmetric_memory  # noqa: F401
+
+    backend = host_side_backend(monkeypatch, {})
+    comm = backend.comm
+    seen: list[int] = []
+
+    def slow_compile() -> None:  # returns once three beats came in while "compiling" (a timeout fails)
+        start = comm.beats
+        deadline = time.monotonic() + 30
+        while comm.beats < start + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        seen.append(comm.beats - start)
+
+    real_load = NvshmemBackend._load_kernels
+
+    def load_slow_kernels(self):
+        put, wait = real_load(self)
+        put.on_compile = slow_compile
+        return put, wait
+
+    monkeypatch.setattr(NvshmemBackend, "_load_kernels", load_slow_kernels)
+    backend.setup(_small_selection_plan(8))
+    assert seen and all(beats >= 3 for beats in seen)
+    assert "nvshmem: compiling and loading the Triton kernels" in comm.operations
+
+
+def test_a_kernel_that_fails_to_compile_in_setup_is_one_line(monkeypatch) -> None:
+    import torch.distributed._symmetric_memory  # noqa: F401
+
+    backend = host_side_backend(monkeypatch, {})
+    real_load = NvshmemBackend._load_kernels
+
+    def load_broken(self):
+        put, wait = real_load(self)
+
+        def broken() -> None:
+            raise RuntimeError("at 12:8:\n    _quiet()\n    ^\nLLVM ERROR: cannot link libnvshmem_device.bc")
+
+        wait.on_compile = broken
+        return put, wait
+
+    monkeypatch.setattr(NvshmemBackend, "_load_kernels", load_broken)
+    with pytest.raises(UsageError, match="wait kernel failed to build or launch.*cannot link") as info:
+        backend.setup(_small_selection_plan(8))
+    assert "\n" not in str(info.value)
+
+
+def _skewed_world(world: int, mode: str):
+    """A hot-expert MoE job on ``world`` ranks: every rank's plan, and the [src, dst, slots] counts."""
+    from commbench.inputs.models import ModelConfig
+    from commbench.inputs.skew import parse_skew
+    from commbench.run.jobs import MoeJob
+    from commbench.traffic.plan import plan_rank
+    from commbench.traffic.routing import RoutingConfig, route_rank
+
+    model = ModelConfig(name="small", hidden=64, num_experts=16, topk=4, dispatch_dtype="fp8", scale_block=32)
+    cfg = RoutingConfig(
+        model=model, skew=parse_skew("hot:2:0.45"), world_size=world, tokens_per_rank=64, seed=3
+    )
+    plans = [plan_rank(route_rank(cfg, src), model, world, mode) for src in range(world)]
+    counts = np.stack([plan.send_counts.numpy() for plan in plans])
+    return MoeJob(name="small hot", routing=cfg, send_mode=mode), plans, counts
+
+
+@pytest.mark.parametrize("options", [{}, {"chunk_rows": 1, "signal_op": "set"}])
+def test_the_put_heap_is_sized_with_the_launch_estimates_function(monkeypatch, options: dict) -> None:
+    """Every rank's setup for a skewed pattern: the heap it allocates and the symmetric bytes it sizes
+    NVSHMEM_SYMMETRIC_SIZE from come from the function the launch's memory estimate calls, and stay within
+    that estimate (tests/cli/test_resources.py does the same for shmem-emu's heap on real ranks)."""
+    import torch.distributed._symmetric_memory  # noqa: F401
+
+    from commbench.backends.shmem import symmetric as symm
+    from commbench.cli.resources import job_memory
+    from commbench.run.interface import ExchangeShape
+
+    world = 4
+    job, plans, counts = _skewed_world(world, "selection")
+    estimate = job_memory(job, world, False, NvshmemBackend)
+    shape = ExchangeShape(counts.sum(axis=2), plans[0].dispatch_row_bytes, plans[0].combine_row_bytes, 4)
+    for rank in range(world):
+        backend = host_side_backend(monkeypatch, options, world=world, rank=rank, matrix=counts)
+        backend.setup(plans[rank])
+        ((heap, reserve),) = backend.allocations
+        assert reserve == NvshmemBackend.symmetric_allocation_bytes(shape)
+        assert heap + symm.ALLOCATION_OVERHEAD_BYTES <= reserve
+        assert max(symm.symmetric_size(reserve), reserve) <= estimate.symmetric
+        backend.close()
+
+
+def test_vdev2d_allocates_only_its_own_buffers_within_the_estimate(monkeypatch) -> None:
+    """variant=vdev2d allocates no put heap: only its symmetric tensors, every one sized from the setup's
+    symmetric bytes, which the launch's estimate counts."""
+    import torch.distributed._symmetric_memory  # noqa: F401
+
+    from commbench.backends.shmem import symmetric as symm
+    from commbench.cli.resources import job_memory
+
+    world = 4
+    job, plans, counts = _skewed_world(world, "selection")
+    tensors: list[tuple[int, int]] = []
+
+    def allocate_symmetric(symm_mem, dims, dtype, device, group, world_group, reserve):
+        tensor = torch.zeros(*(max(1, n) for n in dims), dtype=dtype)
+        tensors.append((tensor.numel() * tensor.element_size(), reserve))
+        return tensor
+
+    monkeypatch.setattr(symm, "allocate_symmetric", allocate_symmetric)
+    backend = host_side_backend(monkeypatch, {"variant": "vdev2d"}, world=world, rank=0, matrix=counts)
+    backend.setup(plans[0])
+    assert backend.allocations == []  # no put heap
+    assert len(tensors) == 8 and len({reserve for _, reserve in tensors}) == 1
+    reserve = tensors[0][1]
+    assert sum(nbytes + symm.ALLOCATION_OVERHEAD_BYTES for nbytes, _ in tensors) <= reserve
+    assert reserve <= job_memory(job, world, False, NvshmemBackend).symmetric

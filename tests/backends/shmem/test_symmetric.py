@@ -22,13 +22,31 @@ class FakeSymmMem:
     raises once the groups are in place."""
 
     def __init__(
-        self, needs_group_info: bool, deprecated: bool = False, fail: BaseException | None = None
+        self,
+        needs_group_info: bool,
+        deprecated: bool = False,
+        fail: BaseException | None = None,
+        registered: tuple[str, ...] = ("NVSHMEM", "CUDA"),
+        chosen: str | None = None,
     ) -> None:
         self.needs_group_info, self.deprecated, self.fail = needs_group_info, deprecated, fail
+        self.registered, self.chosen, self.in_use = registered, chosen, chosen is not None
         self.calls: list[tuple[str, str]] = []
 
     def set_backend(self, name: str) -> None:
+        """torch/csrc/distributed/c10d/symm_mem/SymmetricMemory.cpp, ``AllocatorMap::set_backend``:
+        ``TORCH_CHECK(it != avail_map_.end(), "SymmetricMemory does not find allocation backend ", name)``;
+        the one already chosen: ``return``; another: ``TORCH_CHECK(!in_use_, "Backend can not be changed
+        after use.")``. ``registered``: the allocators that registered (NVSHMEM's registers when its library
+        loads); ``chosen``: a backend that already allocated in this process."""
         self.calls.append(("set_backend", name))
+        if name not in self.registered:
+            raise RuntimeError(f"SymmetricMemory does not find allocation backend {name}")
+        if self.chosen == name:
+            return
+        if self.chosen is not None and self.in_use:
+            raise RuntimeError("Backend can not be changed after use.")
+        self.chosen = name
 
     def enable_symm_mem_for_group(self, name: str) -> None:
         if self.deprecated:
@@ -159,12 +177,16 @@ def test_group_info_still_missing_is_reported_as_such(monkeypatch) -> None:
     ],
 )
 def test_heap_size_advice_only_when_the_error_is_about_memory(monkeypatch, cause) -> None:
-    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1073741824")
+    need = 4096 + symm.NVSHMEM_RESERVED_BYTES  # the heap and NVSHMEM's own
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1M")
     with pytest.raises(UsageError) as info:
         allocate(monkeypatch, "2.11.0+cu130", FakeSymmMem(needs_group_info=False, fail=cause))
     message = str(info.value)
     assert "\n" not in message and str(cause).splitlines()[0] in message
-    assert "NVSHMEM_SYMMETRIC_SIZE is 1073741824: set it above 8192 bytes" in message
+    assert f"NVSHMEM_SYMMETRIC_SIZE is 1M: set it to at least {need} bytes" in message
+    monkeypatch.setenv("NVSHMEM_SYMMETRIC_SIZE", "1073741824")  # large enough: the GPU itself is full
+    with pytest.raises(UsageError, match=f"holds the {need} bytes this setup needs, so the GPU has no room"):
+        allocate(monkeypatch, "2.11.0+cu130", FakeSymmMem(needs_group_info=False, fail=cause))
 
 
 def test_heap_size_and_pool_defaults_leave_user_values_alone(monkeypatch) -> None:
@@ -185,47 +207,53 @@ def test_another_symmetric_backend_in_the_process_is_refused(monkeypatch) -> Non
         allocate(monkeypatch, "2.11.0", fake)
 
 
-REFUSAL = "SymmetricMemory backend NVSHMEM is not available: libnvshmem_host.so.3 not found"
-
-
-def test_set_backends_refusal_is_the_cause_the_failed_allocation_names(monkeypatch) -> None:
-    """torch's set_backend ("Note that the backend cannot be changed once a symmetric memory tensor has been
-    allocated", torch/distributed/_symmetric_memory/__init__.py set_backend) raises RuntimeError; its words
-    reach the one-line error of what fails next instead of being swallowed."""
-    fake = FakeSymmMem(needs_group_info=False, fail=RuntimeError("empty: no allocator for backend"))
-
-    def refuse(name: str) -> None:
-        raise RuntimeError(REFUSAL)
-
-    fake.set_backend = refuse
+def test_a_torch_without_the_nvshmem_allocator_says_so_in_torchs_words(monkeypatch) -> None:
+    """set_backend's failure was swallowed before: the allocation then failed with a vaguer error."""
+    fake = FakeSymmMem(needs_group_info=False, registered=("CUDA",))
     with pytest.raises(UsageError) as info:
         allocate(monkeypatch, "2.11.0", fake)
     message = str(info.value)
-    assert "\n" not in message and "empty: no allocator for backend" in message
-    assert f"set_backend('NVSHMEM') had said RuntimeError: {REFUSAL}" in message
+    assert "\n" not in message and "SymmetricMemory does not find allocation backend NVSHMEM" in message
+    assert "NVSHMEM library" in message and "did not load" in message
+    assert [kind for kind, _ in fake.calls] == ["set_backend"]  # nothing allocated after it
 
 
-def test_a_refused_set_backend_with_another_backend_in_use_says_both(monkeypatch) -> None:
-    fake = FakeSymmMem(needs_group_info=False)
-    fake.get_backend = lambda device: "CUDA"
-
-    def refuse(name: str) -> None:
-        raise RuntimeError("cannot change the backend after a symmetric tensor was allocated")
-
-    fake.set_backend = refuse
-    with pytest.raises(UsageError) as info:
-        allocate(monkeypatch, "2.11.0", fake)
-    message = str(info.value)
-    assert "uses the CUDA backend in this process, not NVSHMEM: set_backend('NVSHMEM') said" in message
-    assert "cannot change the backend after a symmetric tensor was allocated" in message
+def test_another_backend_that_allocated_first_is_named_in_torchs_words(monkeypatch) -> None:
+    with pytest.raises(UsageError, match="Backend can not be changed after use.*allocated first") as info:
+        allocate(monkeypatch, "2.11.0", FakeSymmMem(needs_group_info=False, chosen="CUDA"))
+    assert "\n" not in str(info.value)
 
 
-def test_a_repeated_set_backend_refusal_is_harmless_when_nvshmem_is_in_use(monkeypatch) -> None:
-    """An earlier set-up in this process chose NVSHMEM already: set_backend may refuse, the heap comes."""
-    fake = FakeSymmMem(needs_group_info=False)
+def test_nvshmem_chosen_again_by_a_later_setup_is_fine(monkeypatch) -> None:
+    fake = FakeSymmMem(needs_group_info=False, chosen="NVSHMEM")
+    allocate(monkeypatch, "2.11.0", fake)
+    allocate(monkeypatch, "2.11.0", fake)
+    assert [kind for kind, _ in fake.calls].count("rendezvous") == 2
 
-    def refuse(name: str) -> None:
-        raise RuntimeError("backend already set")
 
-    fake.set_backend = refuse
-    assert allocate(monkeypatch, "2.11.0", fake).numel() == 4096
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("20m", 20 << 20),
+        ("3.1M", 3250586),
+        (".5m", 1 << 19),
+        ("20kk", 20 << 10),
+        ("8G", 8 << 30),
+        ("4096", 4096),
+    ],
+)
+def test_nvshmem_symmetric_size_is_read_as_nvshmem_reads_it(text: str, size: int) -> None:
+    """NVSHMEM's environment variable documentation: "20m" is 20971520, "3.1M" 3250586, ".5m" as "0.5m",
+    one multiplier (what follows it ignored: "20kk" is "20k")."""
+    assert symm.parse_symmetric_size(text) == size
+    assert symm.symmetric_size(1, {"NVSHMEM_SYMMETRIC_SIZE": text}) == size
+
+
+def test_an_unset_or_unreadable_symmetric_size_is_commbenchs_default() -> None:
+    assert symm.parse_symmetric_size("lots") is None
+    for environ in ({}, {"NVSHMEM_SYMMETRIC_SIZE": "lots"}):
+        assert (
+            symm.symmetric_size(3 << 30, environ)
+            == symm.default_symmetric_size(3 << 30)
+            == (6 << 30) + (256 << 20)
+        )

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from commbench.backends.shmem.nvshmem import TRITON_KERNELS
+from commbench.backends.shmem.names import TRITON_KERNELS
 from commbench.report.profiler.kernels import (
     COMMUNICATION,
     COMPUTE,
