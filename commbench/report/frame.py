@@ -49,9 +49,10 @@ Conventions
   bytes, so #wrong counts bytes = elements), redop none, root -1. The in-place columns time the same
   exchange with one buffer as its input and output (nccl-tests alltoall's in-place run: sendbuff ==
   recvbuff), right after the out-of-place one, the same way (warm-up, iterations, timing, the mean); where
-  the backend has no in-place call (mock, sim, nvshmem, the dispatcher adapters) they say N/A. Its #wrong
-  is N/A: an all-to-all whose input and output are one buffer may overwrite a row before sending it, so
-  its result is undefined and not checked (nccl-tests: "We don't support in-place alltoall", #wrong N/A).
+  the backend has no in-place call (Backend.in_place False: mock, sim, shmem-emu, nvshmem, the dispatcher
+  adapters) they say N/A. The in-place #wrong is N/A: an all-to-all whose input and output are one buffer
+  may overwrite a row before sending it, so its result is undefined and it is not checked (nccl-tests:
+  "We don't support in-place alltoall", its in-place #wrong N/A).
 - Every bandwidth is ONE direction (bytes a rank sent, or received, per second) and is compared with a
   per-direction spec; a one-way figure is never compared with a bidirectional spec (NVLink 5: 1.8 TB/s
   bidirectional = 900 GB/s per direction; a NIC's line rate, e.g. 800 Gb/s = 100 GB/s, is per direction).
