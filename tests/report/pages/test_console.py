@@ -6,7 +6,13 @@ import pytest
 
 from commbench.inputs.specs import load_spec
 from commbench.report import ReportWriter, average_bus_bandwidth, results_frame, results_table
-from commbench.report.pages.console import bus_id_text, moe_table, nccl_float, rank_lines
+from commbench.report.pages.console import (
+    bus_id_text,
+    moe_table,
+    nccl_float,
+    nccl_version_code,
+    rank_lines,
+)
 from tests.report.rows import balanced_row, skewed_rows
 
 GB300 = load_spec("gb300-nvl72")
@@ -149,6 +155,21 @@ def test_rank_lines_follow_nccl_tests_using_devices() -> None:
 )
 def test_bus_id_as_nccl_tests_prints_it(bus_id: str, shown: str | None) -> None:
     assert bus_id_text(bus_id) == shown
+
+
+@pytest.mark.parametrize(
+    ("version", "code"),
+    [("2.27.3", 22703), ("2.21.5", 22105), ("2.8.4", 2804), ("3.0", 30000), (None, None), ("cpu", None)],
+)
+def test_nccl_version_codes_are_nccls(version: str | None, code: int | None) -> None:
+    """NCCL_VERSION(X, Y, Z): X * 10000 + Y * 100 + Z from 2.9 on, X * 1000 + Y * 100 + Z before."""
+    assert nccl_version_code(version) == code
+
+
+def test_the_version_line_names_the_nccl_torch_loaded() -> None:
+    meta = {**META, "env": {"versions": {"nccl": "2.27.3"}}}
+    first = results_table(results_frame(balanced(), GB300), meta).splitlines()[0]
+    assert first.endswith(") nccl-headers=22703 nccl-library=22703")
 
 
 @pytest.mark.parametrize(
