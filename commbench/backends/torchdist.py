@@ -4,7 +4,10 @@ Dispatch packs the token rows of the plan (index_select into a preallocated send
 combine sends the expert outputs back with the reverse splits and reduces them into token order with
 ``index_add_`` in float32. Buffers grow on the first (warm-up) call and are reused after, so timed
 iterations do not allocate; the harness poisons both receive buffers before each timed iteration.
-``NcclBackend`` and ``GlooBackend`` are this code on their process group, each describing itself.
+``NcclBackend`` and ``GlooBackend`` are this code on their process group, each describing itself. The balanced
+sweep's in-place run (``dispatch_in_place``) is the same call with one tensor as input and output, as
+nccl-tests' in-place alltoall passes one buffer to NCCL; torch.distributed passes it through to NCCL and gloo
+unchanged (neither refuses it; neither orders a row's send before its overwrite, so the result is undefined).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class TorchDistBackend(DeclaredOptions, Backend):
     """The all-to-all on the process group its ranks joined (the registered classes are below)."""
 
     name = "torchdist"  # an instance is named after the process group it runs on (NcclBackend: "nccl")
+    in_place = True  # all_to_all_single(buffer, buffer): nccl-tests' in-place alltoall
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
@@ -110,6 +114,14 @@ class TorchDistBackend(DeclaredOptions, Backend):
             )
         # No unpack: all_to_all_single delivers the rows in source order, as the harness expects them.
         return received
+
+    def dispatch_in_place(self, buffer: torch.Tensor, plan: RankPlan) -> torch.Tensor:
+        splits = self._send_splits  # balanced: as many rows from each source as to each destination
+        with self.steps("payload transfer"):
+            dist.all_to_all_single(
+                buffer, buffer, output_split_sizes=splits, input_split_sizes=splits, group=self.comm.group
+            )
+        return buffer
 
     def combine(self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
         hidden = int(expert_out.shape[1])

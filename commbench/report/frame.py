@@ -46,8 +46,13 @@ Conventions
   algbw_GBps, busbw_GBps, ...).
 - The balanced all-to-all on stdout is printed in nccl-tests alltoall_perf's layout: count = elements each
   rank sends to each peer (size / ranks, as nccl-tests' count for alltoall), type uint8 (commbench moves
-  bytes, so #wrong counts bytes = elements), redop none, root -1; the in-place columns say N/A: commbench
-  runs the out-of-place exchange only.
+  bytes, so #wrong counts bytes = elements), redop none, root -1. The in-place columns time the same
+  exchange with one buffer as its input and output (nccl-tests alltoall's in-place run: sendbuff ==
+  recvbuff), right after the out-of-place one, the same way (warm-up, iterations, timing, the mean); where
+  the backend has no in-place call (Backend.in_place False: mock, sim, shmem-emu, nvshmem, the dispatcher
+  adapters) they say N/A. The in-place #wrong is N/A: an all-to-all whose input and output are one buffer
+  may overwrite a row before sending it, so its result is undefined and it is not checked (nccl-tests:
+  "We don't support in-place alltoall", its in-place #wrong N/A).
 - Every bandwidth is ONE direction (bytes a rank sent, or received, per second) and is compared with a
   per-direction spec; a one-way figure is never compared with a bidirectional spec (NVLink 5: 1.8 TB/s
   bidirectional = 900 GB/s per direction; a NIC's line rate, e.g. 800 Gb/s = 100 GB/s, is per direction).
@@ -78,9 +83,8 @@ Conventions
   pair), so every rank sends and receives the same rows; both are verified. skew_cost = time / uniform_ref
   time (1 = skew costs nothing); skew_bw_loss_pct = 100 x (1 - (total bytes / time) / (uniform_ref bytes /
   uniform_ref time)). Uniform routing is random, so it shows the cost of statistical imbalance alone.
-- Avg bus bandwidth = the mean of busbw (from the mean time) over the balanced all-to-all rows only, as
-  nccl-tests' footer (which also averages its in-place rows: commbench runs out-of-place only, in-place
-  N/A); MoE phases are never averaged in.
+- Avg bus bandwidth = the mean of busbw (from the mean time) over the balanced all-to-all rows only,
+  out-of-place and in-place (where run) alike, as nccl-tests' footer; MoE phases are never averaged in.
 - GB = 1e9 bytes; GB/s = 1e9 bytes per second; time in microseconds.
 - #wrong: mismatched bytes after dispatch and the balanced all-to-all, mismatched output elements after
   combine (float64 reference, tolerance 1e-4 x sum |w x| + 1e-6), summed over ranks and verified
@@ -119,6 +123,8 @@ DERIVED_COLUMNS = (
     "algbw_mean_GBps",
     "busbw_mean_GBps",
     "pct_spec_mean",
+    "in_place_algbw_mean_GBps",
+    "in_place_busbw_mean_GBps",
     "per_gpu_GBps",
     "spec_name",
     "spec_GBps",
@@ -205,6 +211,10 @@ def results_frame(
     mean_us = _numeric(frame, "time_us_mean")
     frame["algbw_mean_GBps"] = gbps(_numeric(frame, "size_bytes"), mean_us)
     frame["busbw_mean_GBps"] = gbps(bottleneck_link_bytes, mean_us)
+    # The balanced sweep's in-place run (nccl-tests' in-place columns), from its mean time; NaN where none.
+    in_place_us = _numeric(frame, "in_place_time_us_mean")
+    frame["in_place_algbw_mean_GBps"] = gbps(_numeric(frame, "size_bytes"), in_place_us)
+    frame["in_place_busbw_mean_GBps"] = gbps(bottleneck_link_bytes, in_place_us)
     frame["per_gpu_GBps"] = frame["busbw_GBps"]
     frame["spec_name"] = spec.name
     frame["spec_GBps"] = float(spec.nvlink_GBps_per_direction)
@@ -287,12 +297,14 @@ def balanced_rows(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def average_bus_bandwidth(frame: pd.DataFrame) -> float:
-    """nccl-tests' "Avg bus bandwidth": the mean of ``busbw_mean_GBps`` (busbw from the mean time) over the
-    balanced all-to-all rows ALONE (MoE phases are not averaged in); NaN without a finite value."""
+    """nccl-tests' "Avg bus bandwidth": the mean of every busbw (from the mean time) of the balanced
+    all-to-all rows ALONE (MoE phases are not averaged in), out-of-place (``busbw_mean_GBps``) and in-place
+    (``in_place_busbw_mean_GBps``, where it ran), as nccl-tests averages both; NaN without a finite value."""
     rows = balanced_rows(frame)
-    if rows.empty or "busbw_mean_GBps" not in rows.columns:
+    columns = [c for c in ("busbw_mean_GBps", "in_place_busbw_mean_GBps") if c in rows.columns]
+    if rows.empty or not columns:
         return math.nan
-    values = rows["busbw_mean_GBps"].astype(float)
+    values = np.concatenate([rows[c].astype(float).to_numpy() for c in columns])
     values = values[np.isfinite(values)]
     return float(values.mean()) if len(values) else math.nan
 

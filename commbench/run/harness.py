@@ -24,6 +24,11 @@ every rank's checked outputs; a backend that moves no data (mock, sim) is not ch
 phase's rows (``run.rows``) take their bytes from the job's Pattern (the pattern ``commbench pattern``
 prints) and their times from every rank's samples.
 
+The balanced sweep times each size out-of-place (checked as above) and then, where the backend has one
+(``Backend.in_place``), in place: the same exchange with one buffer as input and output, nccl-tests' in-place
+alltoall, timed the same way (same warm-up, iterations and timing mode) and never checked, its output being
+undefined; its row gets ``in_place_time_us_mean`` (``run.rows.in_place_columns``), NaN where not run.
+
 Every timed call also records the rank's arrival: host time from the call's common start (the barrier,
 or the previous call's return in a window) until it entered the call; ranks.csv carries its p50 per rank
 (``arrival_us_p50``), which the verdict's slow-rank rule judges. The ``--inject-delay`` test hook
@@ -68,14 +73,14 @@ from commbench.run.matrix import matrix_pattern, matrix_phase
 from commbench.run.phases import (
     MoeLayer,
     Phase,
-    alltoall_phase,
+    alltoall_phases,
     clear_traffic_cache,
     moe_traffic,
     reference_traffic,
 )
 from commbench.run.placement import gather_layout
 from commbench.run.profile import PhaseProfile, RankProfile, gathered_profile
-from commbench.run.rows import NO_REFERENCE, RowMaker, reference_columns
+from commbench.run.rows import NO_REFERENCE, RowMaker, in_place_columns, reference_columns
 from commbench.run.steps import NO_STEPS, StepRecorder
 from commbench.traffic.pattern import Pattern, balanced_pattern
 from commbench.traffic.plan import RankPlan
@@ -83,6 +88,7 @@ from commbench.traffic.plan import RankPlan
 Sink = Callable[[list[dict], list[dict]], None]
 Emit = Callable[..., None]  # (row, rank rows, the Measured it came from)
 Profiler = Callable[[PhaseProfile], None]
+UNCHECKED = "n/a"  # the check of what is not verified: a backend that moves no data, the in-place all-to-all
 # The results-row keys that name a profiled phase in profile.csv, arrivals.csv and trace.json.
 PROFILE_CASE_KEYS = CASE_FIELDS
 
@@ -105,7 +111,7 @@ def check_label(backend: Backend, opts: RunOptions, timing: str = "iteration") -
     """The rows' ``check`` column: the check mode, "window-last" where window timing verifies the window's
     final output, or "n/a" for a backend that moves no data."""
     if not backend.moves_data:
-        return "n/a"
+        return UNCHECKED
     if timing == "window" and opts.check in CHECK_MODES:
         return CHECK_WINDOW_LAST
     return opts.check
@@ -201,8 +207,10 @@ class _BackendPerSetting:
 def bench(comm: Any, backend: Backend, job: MoeJob | BalancedJob, phase: Phase, opts: RunOptions) -> Measured:
     """Warm up, time ``job.iters`` calls the job's way and check them (see the module docstring); every
     rank's times, arrivals and #wrong, gathered. ``opts.corrupt`` (the test hook) changes the last output on
-    rank 0 before its full check; ``opts.inject_delay`` (the other test hook) delays a rank's timed calls."""
-    mode = check_label(backend, opts, job.timing)
+    rank 0 before its full check; ``opts.inject_delay`` (the other test hook) delays a rank's timed calls.
+    A phase without a check (the in-place all-to-all, whose output is undefined) is timed alone: no poison,
+    no check, #wrong None."""
+    mode = check_label(backend, opts, job.timing) if phase.check is not None else UNCHECKED
     checking = mode in (*CHECK_MODES, CHECK_WINDOW_LAST)
     wrong: list[int] = []  # this rank's count per checked output
     calls = _TimedCalls(phase, opts.delay_s(comm.rank))
@@ -358,16 +366,16 @@ def _run_balanced(
     failures = []
     for size in job.sizes:
         pattern = balanced_pattern(comm.world_size, int(size))  # init data
-        phase = alltoall_phase(comm, backend, int(size))
+        phase, in_place = alltoall_phases(comm, backend, int(size))
         measured = bench(comm, backend, job, phase, opts)  # warm-up, timed loop, verify
+        # Then in place, as nccl-tests times each size out-of-place and then in-place (timed, not checked).
+        in_place_seconds = bench(comm, backend, job, in_place, opts).seconds if in_place else None
         row_bytes = pattern.stats["bytes_per_peer"]
-        emit(
-            *maker.rows(
-                "alltoall", pattern.dispatch_bytes, row_bytes, measured.seconds, measured.wrong,
-                arrival=measured.arrival, wait=measured.wait,
-            ),
-            measured,
+        row, rank_rows = maker.rows(
+            "alltoall", pattern.dispatch_bytes, row_bytes, measured.seconds, measured.wrong,
+            arrival=measured.arrival, wait=measured.wait,
         )  # fmt: skip
+        emit({**row, **in_place_columns(in_place_seconds)}, rank_rows, measured)
         failures += _failures(phase, measured, job)
     return failures
 

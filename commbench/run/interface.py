@@ -15,6 +15,9 @@ process group its ranks join, whether its figures are a GPU fabric's, whether it
 moves data, its library's bandwidth vocabulary, its kernels' names, whether it models the report's layout.
 The other stages read these from the class (``backends.get_backend``), never from a list of names, so a new
 backend is its own file plus one registry line.
+
+The balanced sweep also times an in-place all-to-all where the backend has one (``in_place``,
+``dispatch_in_place``): nccl-tests' in-place columns, one buffer as the exchange's input and output.
 """
 
 from __future__ import annotations
@@ -73,6 +76,9 @@ class Backend(abc.ABC):
     # How its library defines the bandwidth it prints, for the report's "as the library prints it" figure
     # (report.interop.vocabulary); () = only commbench's algbw/busbw.
     bandwidth_vocabulary: ClassVar[tuple[LibraryBandwidth, ...]] = ()
+    # True where ``dispatch_in_place`` runs the balanced all-to-all with one buffer as its input and output
+    # (nccl-tests alltoall's in-place run: sendbuff == recvbuff); False: the in-place columns say N/A.
+    in_place: ClassVar[bool] = False
     # The names of the GPU kernels it launches, communication or compute (report.profiler.kernels assembles
     # every registered backend's); () = none of its own.
     kernel_patterns: ClassVar[tuple[KernelPattern, ...]] = ()
@@ -133,6 +139,14 @@ class Backend(abc.ABC):
         """Send ``expert_out`` (one row per received dispatch row, same order) back to the token owners and
         reduce into token order: out[t] = sum over send rows r of token t of plan.combine_weight[r] * row(r).
         Returns float32 [plan.num_tokens, hidden]."""
+
+    def dispatch_in_place(self, buffer: torch.Tensor, plan: RankPlan) -> torch.Tensor:
+        """The balanced all-to-all of ``plan`` (set up by ``setup``) with ``buffer`` as both its input and
+        its output: uint8 [world, row bytes], row i for rank i. Only where ``in_place`` is True. An
+        all-to-all whose send and receive buffers are one may overwrite a row before sending it (NCCL and gloo
+        do not order them), so its result is undefined and the harness times it without checking it, as
+        nccl-tests does ("We don't support in-place alltoall": its in-place #wrong is N/A)."""
+        raise NotImplementedError(f"backend {self.name} has no in-place all-to-all (in_place is False)")
 
     def poison_receive_buffers(self) -> None:
         """Fill every buffer a later dispatch or combine reads received data from (receive buffers, both

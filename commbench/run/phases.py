@@ -71,12 +71,13 @@ class _Lazy:
 @dataclass(frozen=True)
 class Phase:
     """One phase as the harness times it: ``call`` is one iteration, ``check`` counts what is wrong in an
-    iteration's output on this rank (``unit``: bytes or elements)."""
+    iteration's output on this rank (``unit``: bytes or elements); None: an output that is not defined (the
+    in-place all-to-all), timed and never checked."""
 
     name: str  # the rows' phase: "dispatch", "combine" or "alltoall"
     label: str  # names the phase in errors and #wrong messages, e.g. "alltoall 4096 B"
     call: Callable[[], torch.Tensor]
-    check: Check
+    check: Check | None
     unit: str
 
     @property
@@ -165,17 +166,34 @@ def _row_check(comm: Any, plans: Sequence[RankPlan]) -> Check:
     return _Lazy(lambda: RowCheck(expected_rows(plans, comm.rank, comm.device)))
 
 
-def alltoall_phase(comm: Any, backend: Backend, size: int) -> Phase:
-    """The balanced all-to-all of ``size`` bytes per rank (nccl-tests alltoall)."""
+def alltoall_phases(comm: Any, backend: Backend, size: int) -> tuple[Phase, Phase | None]:
+    """The balanced all-to-all of ``size`` bytes per rank (nccl-tests alltoall): (out-of-place, in-place).
+
+    Out-of-place sends the token rows and receives into the backend's receive buffer, checked. In-place
+    (None where the backend has none: ``Backend.in_place``) is the same exchange with the token rows as its
+    input and its output (``dispatch_in_place``), as nccl-tests' in-place alltoall passes one buffer; it is
+    run after the out-of-place one, so it may overwrite the rows, and its result is undefined (a row may be
+    overwritten before it is sent), so it is not checked (``check`` None), as nccl-tests reports no #wrong
+    for it."""
     plans = [plan_balanced(src, comm.world_size, int(size)) for src in range(comm.world_size)]
     plan, tokens = _set_up(comm, backend, plans)
-    return Phase(
+    out_of_place = Phase(
         "alltoall",
         f"alltoall {size} B",
         lambda: backend.dispatch(tokens, plan, plan.static_recv_counts),
         _row_check(comm, plans),
         "bytes",
     )
+    if not backend.in_place:
+        return out_of_place, None
+    in_place = Phase(
+        "alltoall",
+        f"alltoall in-place {size} B",
+        lambda: backend.dispatch_in_place(tokens, plan),
+        None,
+        "bytes",
+    )
+    return out_of_place, in_place
 
 
 def reference_traffic(

@@ -80,6 +80,14 @@ def time_columns(seconds: np.ndarray) -> dict[str, float]:
     }
 
 
+def in_place_columns(seconds: np.ndarray | None) -> dict[str, float]:
+    """A balanced row's in-place time (nccl-tests' in-place columns): the mean over the timed iterations of
+    the max over ranks, in microseconds, as ``time_us_mean``; NaN where the backend has no in-place run."""
+    if seconds is None:
+        return {"in_place_time_us_mean": float("nan")}
+    return {"in_place_time_us_mean": time_columns(seconds)["time_us_mean"]}
+
+
 def imbalance_columns(expert_load: np.ndarray | None) -> dict[str, float | None]:
     """expert_max_mean = max / mean, maxvio = (max - mean) / mean, expert_cv = std / mean of expert loads
     (NaN when nothing was kept; None without experts, as in a balanced all-to-all)."""

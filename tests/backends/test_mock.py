@@ -66,6 +66,8 @@ def test_mock_rows_at_world_16_match_patterns_and_the_time_model():
             assert row["total_bytes"] == int(np.sum(matrix)) and row["self_bytes"] == int(np.trace(matrix))
             assert row["size_bytes"] == int(max(matrix.sum(axis=0).max(), matrix.sum(axis=1).max()))
     assert [r["size_bytes"] for r in rows[4:]] == [1024, 1 << 20]
+    # The mock has no in-place call (MockBackend.in_place is False): no in-place time, never a made-up one.
+    assert not MockBackend.in_place and all(np.isnan(r["in_place_time_us_mean"]) for r in rows[4:])
 
 
 def test_mock_at_world_72():

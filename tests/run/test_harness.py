@@ -237,6 +237,9 @@ def check_common(rows, imbalance_cost=False):
         if row["phase"] != "alltoall":  # MoE rows carry the comm/compute budget's input
             extra = extra | {"busiest_rank_selections"}
             assert row["busiest_rank_selections"] > 0
+        else:  # balanced rows: the in-place run's time too (gloo has one: all_to_all_single(buf, buf))
+            extra = extra | {"in_place_time_us_mean"}
+            assert row["in_place_time_us_mean"] > 0
         assert set(row) == RESULT_KEYS | extra
         # The balanced sweep is timed as nccl-tests (a window, its last output verified), MoE per iteration.
         timing, check = ("window", "window-last") if row["phase"] == "alltoall" else ("iteration", "checksum")
@@ -402,5 +405,7 @@ def test_nccl_moe_and_balanced_verified_on_gpus():
     )
     assert [r["wrong"] for r in rows] == [0] * 6
     assert all(r["backend"] == "nccl" and 0 < r["time_us_min"] <= r["time_us_p99"] for r in rows)
+    # NCCL runs the in-place all-to-all too (one buffer as input and output, as nccl-tests passes it).
+    assert all(r["in_place_time_us_mean"] > 0 for r in rows if r["phase"] == "alltoall")
     for job in jobs[:2]:
         check_against_pattern(rows, rank_rows, job, world)

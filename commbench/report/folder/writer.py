@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -58,21 +57,18 @@ from commbench.report.folder.reading import (
 from commbench.report.folder.stopped import discard_unfinished
 from commbench.report.frame import (
     CONVENTIONS,
-    average_bus_bandwidth,
     balanced_rows,
     rank_frame,
     results_frame,
 )
+from commbench.report.interop.nccl_tests_json import (
+    config_field,
+    footer_fields,
+    header_fields,
+    result_fields,
+)
 from commbench.report.judge.junit import write_junit
 from commbench.report.judge.verdict import Verdict, write_verdict_json
-from commbench.report.pages.console import (
-    REDOP,
-    ROOT,
-    TYPE_NAME,
-    out_of_bounds_count,
-    per_peer_count,
-    sweep_config,
-)
 from commbench.report.pages.sections import report_html, summary_markdown
 from commbench.run.config import meta_values
 
@@ -409,67 +405,50 @@ def _parquet_safe(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def results_json(frame: pd.DataFrame, meta: Mapping[str, Any], spec: SystemSpec) -> dict[str, Any]:
-    """nccl-tests-like JSON: args, env, config, results[] (size, time, alg_bw, bus_bw, wrong), out_of_bounds,
-    average_bus_bandwidth.
+    """nccl-tests' ``-J`` document (``report.interop.nccl_tests_json``: its fields, in its order, with its
+    types), then commbench's own fields.
 
-    Each result carries nccl-tests' own ``-J`` layout: ``out_of_place`` {time, alg_bw, bus_bw, nwrong} with
-    nccl-tests' time, the mean over the timed iterations (``time_us_mean``) and the bandwidths from it, for
-    every row; ``in_place`` null (commbench runs one out-of-place exchange); balanced all-to-all rows also
-    count (uint8 elements to each peer), type, redop and root. ``config`` holds the balanced sweep's
-    parameters (``console.sweep_config``); ``out_of_bounds`` and ``average_bus_bandwidth`` are over the
-    balanced rows alone, as nccl-tests' footer (null where there are none).
+    nccl-tests': version, start_time, args (the command line), env (the communication variables), nccl_version
+    (its code), config (the balanced sweep, ``console.sweep_config``; null without one), results, then
+    out_of_bounds, average_bus_bandwidth (over the balanced rows alone, in-place runs averaged in) and
+    errors. Each result holds nccl-tests' size, count, type, redop, root (balanced rows), out_of_place
+    {time, alg_bw, bus_bw, nwrong} with nccl-tests' time (the mean over the timed iterations,
+    ``time_us_mean``) and the bandwidths from it, in_place the same for the in-place run (null where it did
+    not run), actual_iterations and experiment_name; then commbench's time, alg_bw, bus_bw and wrong (the
+    out-of-place figures, flat) and every column of the row. commbench's own: commbench_options (the options
+    and plan), commbench_env (meta.json's env), devices (its CUDA devices), spec, units, conventions, and a
+    stopped run's status and incomplete_reason.
     """
     env = meta.get("env") or {}
     balanced = balanced_rows(frame)
     results = []
     for row in file_records(frame):
-        figures = {
-            "time": row.get("time_us_mean"),
-            "alg_bw": row.get("algbw_mean_GBps"),
-            "bus_bw": row.get("busbw_mean_GBps"),
-        }
         results.append(
             {
-                "size": row.get("size_bytes"),
-                **_nccl_tests_case(row),
-                **figures,
+                **result_fields(row),
+                "time": row.get("time_us_mean"),
+                "alg_bw": row.get("algbw_mean_GBps"),
+                "bus_bw": row.get("busbw_mean_GBps"),
                 "wrong": row.get("wrong"),
-                "out_of_place": {**figures, "nwrong": row.get("wrong")},
-                "in_place": None,
                 **row,
             }
         )
-    avg = average_bus_bandwidth(frame)
-    wrong_rows = out_of_bounds_count(balanced)
-    return plain(
-        {
-            "args": meta_values(meta),  # nccl-tests -J's "args": the options the run was given
-            "env": env,
-            "nccl_version": (env.get("versions") or {}).get("nccl"),
-            "devices": env.get("devices", []),
-            "config": sweep_config(balanced, meta) if not balanced.empty else None,
-            "spec": spec_figures(spec),
-            "units": {"size": "bytes", "time": "us", "alg_bw": "GB/s (1e9 B/s)", "bus_bw": "GB/s (1e9 B/s)"},
-            "conventions": CONVENTIONS,
-            "results": results,
-            "out_of_bounds": {
-                "count": wrong_rows,
-                "okay": None if wrong_rows is None else wrong_rows == 0,
-            },
-            "average_bus_bandwidth": {
-                "bandwidth": None if math.isnan(avg) else avg,
-                "okay": "unchecked",  # as nccl-tests without NCCL_TESTS_MIN_BW
-            },
-            **_status(meta),
-        }
-    )
-
-
-def _nccl_tests_case(row: Mapping[str, Any]) -> dict[str, Any]:
-    """nccl-tests' count, type, redop and root of a balanced all-to-all row ({} for an MoE phase)."""
-    if row.get("phase") != "alltoall" or is_missing(row.get("size_bytes")):
-        return {}
-    return {"count": per_peer_count(row), "type": TYPE_NAME, "redop": REDOP, "root": ROOT}
+    status = _status(meta)
+    errors = [status["incomplete_reason"]] if "incomplete_reason" in status else []
+    document = {
+        **header_fields(meta),
+        "config": config_field(balanced, meta),
+        "results": results,
+        **footer_fields(balanced, errors),
+        "commbench_options": meta_values(meta),
+        "commbench_env": env,
+        "devices": env.get("devices", []),
+        "spec": spec_figures(spec),
+        "units": {"size": "bytes", "time": "us", "alg_bw": "GB/s (1e9 B/s)", "bus_bw": "GB/s (1e9 B/s)"},
+        "conventions": CONVENTIONS,
+        **status,
+    }
+    return plain(document)  # nccl-tests' NaN figures are already the text "nan", which plain() keeps
 
 
 def _status(meta: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,12 +1,17 @@
 """What a run prints on stdout: the balanced all-to-all as nccl-tests' alltoall_perf prints it, then MoE rows.
 
 ``results_table`` prints, for the balanced all-to-all rows, what ``alltoall_perf`` prints (NVIDIA/nccl-tests
-src/util.cu: the run-parameter line, "# Using devices" with one line per rank, the two-row column header,
-one row per size with out-of-place and in-place groups, the "Out of bounds values" and "Avg bus bandwidth"
-footer), with nccl-tests' time (the mean over the timed iterations) and its bandwidths; commbench's timing
-and check modes are said in "#" comment lines, and the in-place columns say N/A (commbench runs out-of-place
-only). The MoE phases get commbench's own table below it (time mean, p50, p99; bandwidths from p50). Lines
-keep nccl-tests' field widths; trailing blanks are stripped.
+v2.19.6 src/util.cu: the "# nccl-tests version" line, the run-parameter line, "# Using devices" with one
+line per rank, the two-row column header, one row per size with out-of-place and in-place groups, the
+"Out of bounds values" and "Avg bus bandwidth" footer), with nccl-tests' time (the mean over the timed
+iterations) and its bandwidths; commbench's timing and check modes are said in "#" comment lines. The first
+line is nccl-tests' (its version is the format's, the parenthesis says it is commbench), so that parsers
+keyed on it read it. Rows are printed with nccl-tests' printf formats (writeBenchmarkLinePreamble and
+writeBenchmarkLineBody): a size's in-place group holds the in-place run's time and bandwidths and, as in
+nccl-tests' alltoall, "N/A" for #wrong (not checked: its result is undefined), so a row ends at column 117
+as nccl-tests' does; a backend without an in-place run prints N/A in every in-place cell, and a group that
+was not checked (mock, sim) prints #wrong as nccl-tests without validation does. The MoE phases get
+commbench's own table below it (time mean, p50, p99; bandwidths from p50). Trailing blanks are stripped.
 """
 
 from __future__ import annotations
@@ -38,6 +43,9 @@ from commbench.report.pages.tables import (
 from commbench.run.config import meta_values
 
 PROGRAM = "commbench balanced alltoall"  # nccl-tests prints its program name ("alltoall_perf") here
+# The nccl-tests release whose output format the stdout table and results.json follow (src/util.cu read at
+# NVIDIA/nccl-tests v2.19.6, commit a0b82b2); its first line names it, as nccl-tests names its own version.
+NCCL_TESTS_VERSION = "2.19.6"
 # commbench moves bytes: one element is one byte, so count and #wrong are in bytes.
 TYPE_NAME = "uint8"
 REDOP = "none"
@@ -85,9 +93,12 @@ def nccl_float(value: Any, width: int) -> str:
     return f"{number:{width}{'.1e' if width >= 7 else '.0e'}}"[:width]
 
 
-def _wrong_cell(value: Any) -> str:
-    """#wrong as nccl-tests prints it (%6g); "N/A" where nothing was verified, as nccl-tests' in-place."""
-    return "   N/A" if is_missing(value) else f"{float(value):6g}"
+def _group(time_us: Any, algbw: Any, busbw: Any, wrong: Any) -> str:
+    """One out-of-place or in-place group as nccl-tests' writeBenchmarkLineBody prints it: "  %7s  %6s  %6s
+    %6g" (time, algbw, busbw, #wrong), or "    N/A" in place of "  %6g" where nothing was checked (its
+    reportErrors 0: nccl-tests' in-place alltoall, or no validation)."""
+    figures = f"  {nccl_float(time_us, 7)}  {nccl_float(algbw, 6)}  {nccl_float(busbw, 6)}"
+    return figures + ("    N/A" if is_missing(wrong) else f"  {float(wrong):6g}")
 
 
 def _group_header(cells: Sequence[str]) -> str:
@@ -101,7 +112,8 @@ COLUMN_HEADER = (
     f"# {'(B)':>10}  {'(elements)':>12}  {'':>8}  {'':>6}  {'':>6}  "
     f"{_group_header(_GROUP_UNITS)}  {_group_header(_GROUP_UNITS)}".rstrip(),
 )
-_IN_PLACE_NOT_RUN = "  ".join(f"{'N/A':>{width}}" for width in _GROUP_WIDTHS)
+# A group that did not run (a backend without an in-place all-to-all): N/A in nccl-tests' columns.
+_NOT_RUN = f"  {'N/A':>7}  {'N/A':>6}  {'N/A':>6}    N/A"
 
 
 def per_peer_count(record: Mapping[str, Any]) -> int:
@@ -112,16 +124,33 @@ def per_peer_count(record: Mapping[str, Any]) -> int:
     return size // int(world) if not is_missing(world) and int(world) > 0 else size
 
 
+def ran_in_place(record: Mapping[str, Any]) -> bool:
+    """Whether a balanced row has an in-place time (its backend ran the in-place all-to-all)."""
+    return not is_missing(record.get("in_place_time_us_mean"))
+
+
 def nccl_tests_row(record: Mapping[str, Any]) -> str:
-    """One size: size, count (uint8 elements to each peer), type, redop, root, then out-of-place time (the
-    mean), algbw, busbw, #wrong, then the in-place group, N/A (not run)."""
+    """One size as nccl-tests prints it ("%12li  %12li  %8s  %6s  %6s", then two groups): size, count (uint8
+    elements to each peer), type, redop, root, the out-of-place group (time = the mean, algbw, busbw,
+    #wrong), then the in-place group (its time and bandwidths, #wrong N/A: never checked), N/A where the
+    backend has no in-place run."""
     size = int(record["size_bytes"])
     preamble = f"{size:12d}  {per_peer_count(record):12d}  {TYPE_NAME:>8}  {REDOP:>6}  {ROOT:6d}"
-    out_of_place = (
-        f"{nccl_float(record.get('time_us_mean'), 7)}  {nccl_float(record.get('algbw_mean_GBps'), 6)}  "
-        f"{nccl_float(record.get('busbw_mean_GBps'), 6)}  {_wrong_cell(record.get('wrong'))}"
+    out_of_place = _group(
+        record.get("time_us_mean"),
+        record.get("algbw_mean_GBps"),
+        record.get("busbw_mean_GBps"),
+        record.get("wrong"),
     )
-    return f"{preamble}  {out_of_place}  {_IN_PLACE_NOT_RUN}"
+    in_place = _NOT_RUN
+    if ran_in_place(record):
+        in_place = _group(
+            record["in_place_time_us_mean"],
+            record.get("in_place_algbw_mean_GBps"),
+            record.get("in_place_busbw_mean_GBps"),
+            None,
+        )
+    return preamble + out_of_place + in_place
 
 
 def _number(value: Any) -> str:
@@ -150,28 +179,49 @@ def _row_value(frame: pd.DataFrame, name: str) -> Any:
     return values.pop() if len(values) == 1 else None
 
 
+def _whole(value: Any) -> Any:
+    """A number as nccl-tests' JSON writes its integers (size_t, int): an int when it is whole; None stays."""
+    if is_missing(value):
+        return None
+    number = float(value)
+    return int(number) if number.is_integer() else number
+
+
+def json_bool(value: bool) -> str:
+    """A flag as nccl-tests' JSON writes one (jsonBool): the string "true" or "false"."""
+    return "true" if value else "false"
+
+
 def sweep_config(frame: pd.DataFrame, meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The balanced sweep's parameters under nccl-tests' JSON ``config`` names: one process per rank with
-    one GPU (nthreads 1, ngpus 1), no aggregation, no CUDA graph; the sizes and iterations from meta.json's
-    arguments, else the rows (None where neither says); validation 1 when a row was verified; commbench's
-    timing and check modes; ``devices`` from the rank places (``rank_records``)."""
+    """The balanced sweep's parameters under nccl-tests' JSON ``config`` names and types (src/util.cu
+    writeDeviceReport): one process per rank with one GPU (nthreads 1, ngpus 1), no aggregation, no CUDA
+    graph, no parallel init; the sizes, step factor and iterations from meta.json's arguments, else the rows
+    (None where neither says), integers where whole; validation 1 when a row was verified;
+    blocking_collectives "true" for iteration timing (a barrier and a wait around every timed call, as
+    nccl-tests -m 1); per_iter_timing "false" (no per-iteration lists are written); ``devices`` from the rank
+    places (``rank_records``); then commbench's own timing and check modes."""
     args = meta_values(dict(meta))  # the options and plan (meta.json of earlier versions: its args)
     sizes = sorted({int(size) for size in frame["size_bytes"]}) if "size_bytes" in frame else []
     checks = [str(c) for c in dict.fromkeys(frame["check"]) if not is_missing(c)] if "check" in frame else []
+    timings = timing_modes(frame)
     return {
         "nthreads": 1,
         "ngpus": 1,
-        "minimum_bytes": args.get("min_bytes", sizes[0] if sizes else None),
-        "maximum_bytes": args.get("max_bytes", sizes[-1] if sizes else None),
-        "step_factor": _step_factor(args, sizes),
-        "warmup_iters": args.get("warmup", _row_value(frame, "warmup")),
-        "iterations": args.get("iters", _row_value(frame, "iters")),
+        "minimum_bytes": _whole(args.get("min_bytes", sizes[0] if sizes else None)),
+        "maximum_bytes": _whole(args.get("max_bytes", sizes[-1] if sizes else None)),
+        "step_factor": _whole(_step_factor(args, sizes)),
+        "warmup_iters": _whole(args.get("warmup", _row_value(frame, "warmup"))),
+        "iterations": _whole(args.get("iters", _row_value(frame, "iters"))),
         "aggregated_iterations": 1,
         "validation": int("wrong" in frame.columns and bool(frame["wrong"].notna().any())),
         "graph": 0,
-        "timing": timing_modes(frame),
-        "check": checks,
+        "blocking_collectives": json_bool(timings == ["iteration"]),
+        "per_iter_timing": json_bool(False),
+        "per_iter_skip": 0,
+        "parallel_init": json_bool(False),
         "devices": rank_records(meta),
+        "timing": timings,
+        "check": checks,
     }
 
 
@@ -286,17 +336,72 @@ def _mode_lines(frame: pd.DataFrame, times: Mapping[str, str]) -> list[str]:
     return lines
 
 
-def _first_line(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
-    version = meta.get("commbench_version")
+def nccl_version_code(version: Any) -> int | None:
+    """NCCL's version code (NCCL_VERSION_CODE, what nccl-tests prints and writes) of a version text: 2.27.3
+    -> 22703 (major x 10000 + minor x 100 + patch from 2.9 on, x 1000 + minor x 100 + patch before); None
+    for none or a text that is not one."""
+    parts = str(version).split(".") if not is_missing(version) and version != "" else []
+    try:
+        major, minor, patch = (int(part) for part in (parts + ["0", "0"])[:3])
+    except ValueError:
+        return None
+    if not parts:
+        return None
+    return major * (10000 if (major, minor) >= (2, 9) else 1000) + minor * 100 + patch
+
+
+def _first_line(meta: Mapping[str, Any]) -> str:
+    """nccl-tests' "# nccl-tests version V nccl-headers=N nccl-library=N": V is the format's release, the
+    parenthesis (where nccl-tests 2.20 prints its build) says commbench wrote it; both codes are the NCCL
+    torch loaded (torch reports one, the library), 0 without NCCL (a CPU build of torch)."""
+    version = meta.get("commbench_version") or (meta.get("env") or {}).get("versions", {}).get("commbench")
+    nccl = nccl_version_code(((meta.get("env") or {}).get("versions") or {}).get("nccl")) or 0
+    commbench = f"commbench {version}" if version else "commbench"
+    return (
+        f"# nccl-tests version {NCCL_TESTS_VERSION} (output format only: this is {commbench}, not "
+        f"nccl-tests) nccl-headers={nccl} nccl-library={nccl}"
+    )
+
+
+def _run_line(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
+    """commbench's own run line: backend (emulated or not), ranks, torch and NCCL versions."""
     env_versions = (meta.get("env") or {}).get("versions") or {}
     versions = " ".join(f"{k} {v}" for k, v in env_versions.items() if k in ("torch", "nccl") and v)
     backends = ", ".join(dict.fromkeys(frame["backend"].astype(str))) if "backend" in frame else "?"
     emulated = " (EMULATED: not GPU fabric figures)" if any_emulated(frame) else ""
     return (
-        f"# commbench{f' version {version}' if version else ''}{f' ({versions})' if versions else ''}: "
-        f"backend {backends}{emulated}; {fmt_int(_row_value(frame, 'world_size'))} ranks; "
-        "nccl-tests alltoall_perf layout"
+        f"# commbench: backend {backends}{emulated}; {fmt_int(_row_value(frame, 'world_size'))} ranks"
+        f"{f'; {versions}' if versions else ''}; nccl-tests alltoall_perf layout"
     )
+
+
+def in_place_lines(frame: pd.DataFrame) -> list[str]:
+    """What the in-place columns hold: the in-place run (where the rows have one) and the backends that have
+    none (N/A)."""
+    records = frame.to_dict("records")
+    ran = [r for r in records if ran_in_place(r)]
+    lines = []
+    if ran:
+        lines += [
+            "# in-place: the same exchange with one buffer as its input and output (nccl-tests' in-place",
+            "#   alltoall), timed the same way right after; #wrong N/A: its result is undefined (a row may",
+            "#   be overwritten before it is sent), so it is not checked, as nccl-tests does not check it",
+        ]
+    without = {str(r.get("backend", "?")): r.get("backend_name") for r in records if not ran_in_place(r)}
+    for label, name in without.items():
+        lines.append(f"# in-place: N/A for {label}: {_why_not_in_place(name)}")
+    return lines
+
+
+def _why_not_in_place(backend_name: Any) -> str:
+    """Why a backend's rows have no in-place run, from its class's own ``in_place`` (loaded lazily)."""
+    from commbench.backends import ENTRIES, load_backend
+
+    if isinstance(backend_name, str) and backend_name in ENTRIES:
+        backend_class, _ = load_backend(backend_name)
+        if getattr(backend_class, "in_place", False):
+            return "not in this report: written before commbench ran it"
+    return "its backend has no in-place call"
 
 
 _SETTING_NAMES = {KNOB_SETTING_COLUMN: "knobs"}
@@ -325,12 +430,13 @@ def nccl_tests_table(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     """The balanced all-to-all rows as nccl-tests' alltoall_perf prints them (see the module docstring);
     one column header and footer per sweep when the rows hold several (backends, knob settings, timings)."""
     config = sweep_config(frame, meta)
-    lines = [_first_line(frame, meta), f"# Collective test starting: {PROGRAM}", parameter_line(config)]
+    lines = [_first_line(meta), f"# Collective test starting: {PROGRAM}", parameter_line(config)]
+    lines.append(_run_line(frame, meta))
     lines += _mode_lines(frame, _BALANCED_TIME)
     lines += [
         "# size = bytes each rank sends; count = uint8 elements (bytes) to each peer; algbw = size / time;",
         "# busbw = algbw x (n-1)/n; GB = 1e9 B",
-        "# in-place: not run (commbench runs the out-of-place exchange only): N/A",
+        *in_place_lines(frame),
         "#",
         "# Using devices",
         *rank_lines(meta),

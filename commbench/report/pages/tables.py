@@ -265,7 +265,14 @@ _BALANCED_TABLE = (
     column("algbw_mean_GBps", "algbw(GB/s)", format_bandwidth),
     column("busbw_mean_GBps", "busbw(GB/s)", format_bandwidth),
     column("pct_spec_mean", "%spec", fmt_pct),
-    _WRONG,
+    # nccl-tests' in-place columns (rows of a run that timed them): the mean and the busbw from it.
+    column("in_place_time_us_mean", "in-place mean(us)", fmt_time),
+    Column(
+        "in-place busbw(GB/s)",
+        "in_place_time_us_mean",
+        lambda record: format_bandwidth(record.get("in_place_busbw_mean_GBps")),
+    ),
+    _WRONG,  # last, as in every table: the out-of-place run's (the in-place one is never checked)
 )
 # MoE phases: the mean shown too, the bandwidths from p50.
 _MOE_TABLE = (
@@ -291,8 +298,10 @@ _MOE_TABLE = (
 # Which time each table's bandwidths use, said under the tables of summary.md and report.html.
 TIME_NOTE = (
     "Balanced all-to-all tables: time = the mean over the timed iterations (nccl-tests' time), algbw, "
-    "busbw and %spec from it. MoE tables: time mean, p50, min and p99 shown; algbw, busbw, %spec and agg "
-    "from p50. The timing column (where rows were timed in more than one way) says how: see Conventions."
+    "busbw and %spec from it; in-place = the same exchange with one buffer as input and output "
+    "(nccl-tests' in-place columns), its mean time and busbw, not checked. MoE tables: time mean, p50, "
+    "min and p99 shown; algbw, busbw, %spec and agg from p50. The timing column (where rows were timed in "
+    "more than one way) says how: see Conventions."
 )
 
 

@@ -6,7 +6,13 @@ import pytest
 
 from commbench.inputs.specs import load_spec
 from commbench.report import ReportWriter, average_bus_bandwidth, results_frame, results_table
-from commbench.report.pages.console import bus_id_text, moe_table, nccl_float, rank_lines
+from commbench.report.pages.console import (
+    bus_id_text,
+    moe_table,
+    nccl_float,
+    nccl_version_code,
+    rank_lines,
+)
 from tests.report.rows import balanced_row, skewed_rows
 
 GB300 = load_spec("gb300-nvl72")
@@ -20,7 +26,12 @@ NCCL_TESTS_HEADER = [
     "#        (B)    (elements)                               (us)  (GB/s)  (GB/s)             (us)  (GB/s)"
     "  (GB/s)",
 ]
-IN_PLACE_NOT_RUN = "      N/A     N/A     N/A     N/A"
+# nccl-tests 2.19.6 src/util.cu writeBenchmarkLinePreamble and writeBenchmarkLineBody, as C printf formats
+# (Python's % operator takes them as they are): the row preamble, a checked group and an unchecked one.
+PREAMBLE = "%12li  %12li  %8s  %6s  %6s"
+CHECKED = "  %7s  %6s  %6s  %6g"
+UNCHECKED = "  %7s  %6s  %6s    N/A"
+IN_PLACE_NOT_RUN = UNCHECKED % ("N/A", "N/A", "N/A")
 
 META = {
     "commbench_version": "9.9.9",
@@ -62,7 +73,13 @@ def test_balanced_rows_print_nccl_tests_layout() -> None:
         "# nThread 1 nGpus 1 minBytes 4096 maxBytes 8192 step: 2(factor) warmup iters: 5 iters: 20 "
         "agg iters: 1 validation: 1 graph: 0 unalign: 0"
     )
-    assert lines[0].startswith("# commbench version 9.9.9") and "backend gloo; 4 ranks" in lines[0]
+    assert lines[0] == (
+        "# nccl-tests version 2.19.6 (output format only: this is commbench 9.9.9, not nccl-tests) "
+        "nccl-headers=0 nccl-library=0"
+    )
+    assert lines[3].startswith("# commbench: backend gloo; 4 ranks")
+    # Rows of gloo without an in-place time: a folder of an earlier commbench (gloo runs it in place now).
+    assert "# in-place: N/A for gloo: not in this report: written before commbench ran it" in lines
     start = lines.index(NCCL_TESTS_HEADER[0])
     assert lines[start - 1] == "#" and lines[start : start + 3] == NCCL_TESTS_HEADER
     # size 4096 over 4 ranks: 1024 uint8 elements to each peer; time = the mean (11 us), not p50 (10 us);
@@ -71,6 +88,9 @@ def test_balanced_rows_print_nccl_tests_layout() -> None:
         "        4096          1024     uint8    none      -1    11.00    0.37    0.28       0"
         + IN_PLACE_NOT_RUN
     )
+    assert lines[start + 3] == PREAMBLE % (4096, 1024, "uint8", "none", "    -1") + CHECKED % (
+        "  11.00", "  0.37", "  0.28", 0
+    ) + IN_PLACE_NOT_RUN  # fmt: skip
     assert lines[start + 4] == (
         "        8192          2048     uint8    none      -1    20.00    0.41    0.31       0"
         + IN_PLACE_NOT_RUN
@@ -89,10 +109,31 @@ def test_header_says_timing_check_and_in_place_not_run() -> None:
     assert "# timing: window (as nccl-tests: the timed iterations back to back in one window" in text
     assert "# time = the max across ranks of window / iterations" in text
     assert "# check: window-last (receive buffers poisoned once before the timed window" in text
-    assert "# in-place: not run (commbench runs the out-of-place exchange only): N/A" in text
     iteration = results_table(results_frame(balanced(), GB300), META)
     assert "# timing: iteration (a barrier before each timed iteration" in iteration
     assert "# time = the mean over the timed iterations of each iteration's max across ranks" in iteration
+
+
+def test_the_in_place_group_holds_the_in_place_run_and_rows_end_where_nccl_tests_does() -> None:
+    """In-place time 8 us for 4096 B on 4 ranks: algbw 0.51, busbw 0.38 GB/s, #wrong N/A (never checked,
+    as nccl-tests' in-place alltoall): the row ends at column 117, as alltoall_perf's rows do."""
+    rows = balanced(in_place_time_us_mean=8.0)
+    rows[1]["in_place_time_us_mean"] = 16.0
+    text = results_table(results_frame(rows, GB300), META)
+    lines = lines_of(text)
+    row = next(line for line in lines if line.startswith("        4096"))
+    assert row == PREAMBLE % (4096, 1024, "uint8", "none", "    -1") + CHECKED % (
+        "  11.00", "  0.37", "  0.28", 0
+    ) + UNCHECKED % ("   8.00", "  0.51", "  0.38")  # fmt: skip
+    assert len(row) == 117
+    assert (
+        "# in-place: the same exchange with one buffer as its input and output (nccl-tests' in-place" in text
+    )
+    assert not [line for line in lines if line.startswith("# in-place: N/A")]
+    # nccl-tests' footer averages the in-place rows in: four busbw figures.
+    figures = [4096 / 11e-6, 8192 / 20e-6, 4096 / 8e-6, 8192 / 16e-6]
+    average = sum(figures) / 4 / 1e9 * 3 / 4
+    assert f"# {'Avg bus bandwidth':<20} : {average:g}" in lines
 
 
 def test_rank_lines_follow_nccl_tests_using_devices() -> None:
@@ -117,6 +158,21 @@ def test_bus_id_as_nccl_tests_prints_it(bus_id: str, shown: str | None) -> None:
 
 
 @pytest.mark.parametrize(
+    ("version", "code"),
+    [("2.27.3", 22703), ("2.21.5", 22105), ("2.8.4", 2804), ("3.0", 30000), (None, None), ("cpu", None)],
+)
+def test_nccl_version_codes_are_nccls(version: str | None, code: int | None) -> None:
+    """NCCL_VERSION(X, Y, Z): X * 10000 + Y * 100 + Z from 2.9 on, X * 1000 + Y * 100 + Z before."""
+    assert nccl_version_code(version) == code
+
+
+def test_the_version_line_names_the_nccl_torch_loaded() -> None:
+    meta = {**META, "env": {"versions": {"nccl": "2.27.3"}}}
+    first = results_table(results_frame(balanced(), GB300), meta).splitlines()[0]
+    assert first.endswith(") nccl-headers=22703 nccl-library=22703")
+
+
+@pytest.mark.parametrize(
     ("value", "width", "text"),
     [(11.0, 7, "  11.00"), (123456.0, 7, " 123456"), (12345678.0, 7, "1.2e+07"), (0.004, 6, "  0.00")],
 )
@@ -132,11 +188,21 @@ def test_wrong_rows_fail_out_of_bounds_and_unverified_rows_say_n_a() -> None:
     assert "# Total #wrong         : 2048  (DATA MISMATCH)" in text
     row = next(line for line in lines_of(text) if line.startswith("        8192"))
     assert row.split()[8] == "2048"
-    unverified = [{**row, "wrong": None, "check": "n/a"} for row in balanced()]
+    unverified = [
+        {**row, "wrong": None, "check": "n/a", "backend": "mock", "backend_name": "mock"}
+        for row in balanced()
+    ]
     text = results_table(results_frame(unverified, GB300), META)
+    assert "# in-place: N/A for mock: its backend has no in-place call" in text
     assert "# Out of bounds values : n/a (nothing verified)" in text
     assert "validation: 0" in text
-    assert next(line for line in lines_of(text) if line.startswith("        4096")).split()[8] == "N/A"
+    row = next(line for line in lines_of(text) if line.startswith("        4096"))
+    assert row.split()[8] == "N/A"
+    # Unchecked, as nccl-tests without validation prints it: "    N/A" where "  %6g" would be.
+    assert row == PREAMBLE % (4096, 1024, "uint8", "none", "    -1") + UNCHECKED % (
+        "  11.00", "  0.37", "  0.28"
+    ) + IN_PLACE_NOT_RUN  # fmt: skip
+    assert len(row) == 116
 
 
 def test_average_is_over_balanced_rows_only_and_moe_table_follows() -> None:
