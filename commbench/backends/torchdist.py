@@ -40,6 +40,7 @@ class TorchDistBackend(DeclaredOptions, Backend):
     """The all-to-all on the process group its ranks joined (the registered classes are below)."""
 
     name = "torchdist"  # an instance is named after the process group it runs on (NcclBackend: "nccl")
+    node_stages = True  # all_to_all_single on any group: --send-mode node's sub-groups too (run.nodes)
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
