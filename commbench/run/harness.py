@@ -484,8 +484,8 @@ def _run_node(
                 phase.name, phase_matrix(pattern, phase.name), row_bytes, measured.seconds, measured.wrong,
                 pattern.expert_load, arrival=measured.arrival, wait=measured.wait,
             )  # fmt: skip
-            if phase.name == "dispatch":  # the budget's input, as _run_moe's
-                made[0]["busiest_rank_selections"] = int(pattern.stats["rank_recv_selections_max"])
+            # The comm/compute budget's input, on every MoE row as _run_moe's.
+            made[0]["busiest_rank_selections"] = int(pattern.stats["rank_recv_selections_max"])
             emit(*made, measured)
             failures += _failures(phase, measured, job)
     finally:

@@ -45,7 +45,7 @@ from commbench.traffic.node_plan import (
     group_ranks,
     stage_combine_reference,
 )
-from commbench.traffic.nodes import Nodes, stage_phase
+from commbench.traffic.nodes import STAGES, Nodes, stage_phase
 from commbench.traffic.pattern import Pattern
 from commbench.traffic.payload import (
     COMBINE_RTOL,
@@ -55,8 +55,6 @@ from commbench.traffic.payload import (
     encode_rows,
     expert_outputs,
 )
-
-STAGES = ("scaleout", "nvlink")
 
 
 class GroupComm:
@@ -109,9 +107,25 @@ def make_node_groups(comm: Any, nodes: Nodes) -> NodeGroups:
     return NodeGroups(nodes, scaleout, GroupComm(comm, group_ranks(nodes, comm.rank, "nvlink"), node_group))
 
 
+class _StageSteps:
+    """A stage backend's view of the profiler (``run.steps``): its steps named after the stage ("scaleout
+    pack", "nvlink payload transfer"), its peers' arrivals by global rank."""
+
+    enabled = True
+
+    def __init__(self, recorder: Any, stage: str, ranks: Sequence[int]) -> None:
+        self.recorder, self.stage, self.ranks = recorder, stage, tuple(ranks)
+
+    def __call__(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self.recorder(f"{self.stage} {name}")
+
+    def peer_arrival(self, src: int) -> None:
+        self.recorder.peer_arrival(self.ranks[src])
+
+
 class StagePair:
     """Both stages' backends as the harness times a phase (``harness.bench``): poisoned, synchronized and
-    profiled together."""
+    profiled together (each stage's steps named after it)."""
 
     moves_data = True
     emulated = False
@@ -127,8 +141,9 @@ class StagePair:
     @steps.setter
     def steps(self, recorder: Any) -> None:
         self._steps = recorder
-        for backend in self.stages.values():
-            backend.steps = recorder
+        for stage, backend in self.stages.items():
+            enabled = getattr(recorder, "enabled", False)
+            backend.steps = _StageSteps(recorder, stage, backend.comm.ranks) if enabled else NO_STEPS
 
     def poison_receive_buffers(self) -> None:
         for backend in self.stages.values():
@@ -196,7 +211,7 @@ class NodeLayer:
 
     def _dispatch(self, stage: str, rows: torch.Tensor) -> torch.Tensor:
         backend, plan = self.pair.stages[stage], getattr(self.mine, stage)
-        with self.pair.steps("count exchange"):
+        with backend.steps("count exchange"):
             counts = backend.exchange_counts(plan.send_counts)
         self.counts[stage] = counts
         self.received[stage] = backend.dispatch(rows, plan, counts)

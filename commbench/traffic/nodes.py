@@ -28,8 +28,9 @@ import numpy as np
 
 from commbench.errors import UsageError
 
+STAGES = ("scaleout", "nvlink")  # named after the link class each one crosses
 # The stages of a node-mode phase in the order each runs: dispatch scale-out first, combine NVLink first.
-STAGE_ORDER = {"dispatch": ("scaleout", "nvlink"), "combine": ("nvlink", "scaleout")}
+STAGE_ORDER = {"dispatch": STAGES, "combine": STAGES[::-1]}
 
 
 def stage_phase(phase: str, stage: str) -> str:

@@ -132,7 +132,7 @@ def rank_counts(
 def check_send_mode(send_mode: str) -> None:
     """UsageError unless ``send_mode`` is one of SEND_MODES."""
     if send_mode not in SEND_MODES:
-        raise UsageError(f"send mode {send_mode!r} not known; use {', '.join(SEND_MODES)}")
+        raise UsageError(f"send mode {send_mode!r} not known; use {', '.join(SEND_MODES[:-1])} or node")
 
 
 def check_nodes(send_mode: str, nodes: Nodes | None, world_size: int) -> None:

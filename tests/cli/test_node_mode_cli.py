@@ -1,4 +1,4 @@
-"""``pattern`` and ``simulate`` with --send-mode node: each stage's bytes per link class, printed and as JSON."""
+"""``pattern`` and ``simulate`` with --send-mode node: each stage's bytes per link class, printed, JSON."""
 
 import json
 

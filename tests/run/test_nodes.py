@@ -5,6 +5,7 @@ from typing import ClassVar
 
 import numpy as np
 import pytest
+import torch
 
 from commbench.backends.mock import MockBackend
 from commbench.backends.torchdist import TorchDistBackend
@@ -144,3 +145,21 @@ def test_node_mode_needs_a_backend_that_runs_on_sub_groups():
     comm = type("Comm", (), {"rank": 0, "world_size": 4})()
     with pytest.raises(UsageError, match="--backend mock cannot"):
         run_jobs(comm, [job(4)], RunOptions("mock"), MockBackend)
+
+
+def test_a_stages_steps_are_named_after_it_and_still_count_as_transfer():
+    from commbench.run.nodes import _StageSteps
+    from commbench.run.profile import is_transfer
+    from commbench.run.steps import StepRecorder
+
+    recorder = StepRecorder(torch.device("cpu"))
+    recorder.begin()
+    steps = _StageSteps(recorder, "scaleout", [0, 2])
+    with steps("payload transfer"):
+        steps.peer_arrival(1)  # group rank 1 is global rank 2
+    recorder.end()
+    (iteration,) = recorder.take()
+    assert [name for name, _, _ in iteration.steps] == ["scaleout payload transfer"]
+    assert list(iteration.peer_arrivals) == [2]
+    assert is_transfer("scaleout payload transfer") and is_transfer("send-back")
+    assert not is_transfer("forward") and not is_transfer("nvlink count exchange")
