@@ -44,6 +44,7 @@ class TorchDistBackend(DeclaredOptions, Backend):
 
     name = "torchdist"  # an instance is named after the process group it runs on (NcclBackend: "nccl")
     in_place = True  # all_to_all_single(buffer, buffer): nccl-tests' in-place alltoall
+    node_stages = True  # all_to_all_single on any group: --send-mode node's sub-groups too (run.nodes)
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)

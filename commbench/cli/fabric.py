@@ -134,10 +134,12 @@ def topo(as_json: bool) -> None:
 @_count_option("--ranks-per-host", "Ranks per host [default: the spec's].")
 @click.option(
     "--send-mode",
-    type=click.Choice(["token", "selection"]),
+    type=click.Choice(["token", "selection", "node"]),
     default="token",
     show_default=True,
-    help="token: once per destination rank (DeepEP); selection: once per (token, expert).",
+    help="token: once per destination rank; selection: once per (token, expert); node: once per other "
+    "NVLink domain over scale-out (to the rank of the same local index), then once per destination rank "
+    "inside it over NVLink (DeepEP internode, Hybrid-EP, UCCL-EP).",
 )
 @click.option(
     "--fabric",

@@ -37,10 +37,10 @@ MAX_KNOB_SETTINGS = 1000  # --backend-option sweeps: combinations in one launch
 
 
 def _phases(job: Job) -> int:
-    """Result rows a job writes (progress steps): one per size or trace call, or dispatch + combine."""
+    """Result rows a job writes (progress steps): one per size or trace call, or its MoE phases."""
     if job.kind == "matrix":
         return len(job.calls)
-    return len(job.sizes) if job.kind == "balanced" else 2
+    return len(job.sizes) if job.kind == "balanced" else len(job.phases)
 
 
 def default_out_dir(base: str | os.PathLike[str] = DEFAULT_REPORTS_DIR) -> Path:
@@ -137,6 +137,7 @@ def _choose_backend(config: RunConfig, cases: int) -> tuple[str, str, OptionSwee
     from commbench.backends import get_backend
     from commbench.backends.options import parse_option_sweep
     from commbench.run.dist import check_group_devices, resolve_backend
+    from commbench.run.nodes import node_backend_refusal
 
     requested = config.harness.backend
     if requested != "auto":
@@ -146,6 +147,11 @@ def _choose_backend(config: RunConfig, cases: int) -> tuple[str, str, OptionSwee
             check_available()
     backend, reason = resolve_backend(requested, config.world_size)
     backend_class = get_backend(backend)
+    refusal = node_backend_refusal(
+        backend_class, [config.moe.send_mode] if config.sweep.pattern == "moe" else []
+    )
+    if refusal:
+        raise UsageError(refusal)
     # A real all-to-all on CPU ranks (gloo; not an emulation) on a host whose GPUs torch cannot use.
     if not (backend_class.gpu_fabric or backend_class.emulated or config.launch.allow_cpu):
         from commbench.hardware.cuda_use import cuda_use

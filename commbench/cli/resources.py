@@ -111,8 +111,11 @@ def format_bytes(count: float) -> str:
 def rows_per_token(model: ModelConfig, world_size: int, send_mode: str, mask_ratio: float = 0.0) -> float:
     """Send rows per token under uniform routing: top-k in selection mode; in token mode the expected number
     of ranks holding at least one of a token's k distinct experts, W x (1 - C(E - E/W, k) / C(E, k)), at
-    most topk_group x (ranks an expert group spans) under a group limit."""
+    most topk_group x (ranks an expert group spans) under a group limit; node mode twice token mode's (its
+    NVLink stage moves token mode's rows, its scale-out stage at most as many)."""
     k = model.topk
+    if send_mode == "node":
+        return 2.0 * rows_per_token(model, world_size, "token", mask_ratio)
     if send_mode == "selection":
         rows = float(k)
     else:

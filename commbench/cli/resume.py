@@ -97,7 +97,7 @@ def remaining_jobs(jobs: list[Job], results: pd.DataFrame) -> tuple[list[Job], i
             continue
         skew = job.routing.skew.text
         phases = {row.get("phase") for row in mine if str(row.get("skew")) == skew}
-        if not {"dispatch", "combine"} <= phases:
+        if not set(job.phases) <= phases:
             left.append(job)
     return left, len(rows)
 

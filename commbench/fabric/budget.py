@@ -210,8 +210,9 @@ def make_budget(
     return Budget(model.name, int(selections), float(comm_us), forward_flops, tuple(rows))
 
 
-# simulate's keyword inputs that decide its traffic (grouped_pattern's arguments).
-PATTERN_OPTIONS = ("tokens_per_rank", "skew", "ep_size", "send_mode", "seed", "sample_tokens", "exact")
+# simulate's keyword inputs that decide the (token, expert) selections (grouped_pattern's arguments); the send
+# mode only changes how they travel, not which ranks' experts receive them.
+PATTERN_OPTIONS = ("tokens_per_rank", "skew", "ep_size", "seed", "sample_tokens", "exact")
 
 
 def simulated_budgets(

@@ -14,20 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from commbench.fabric.model import (
-    NVLINK,
-    RECV,
-    SCALEOUT,
-    SEND,
-    FabricParams,
-    LinkLoads,
-    PhasePrediction,
-    balanced_traffic,
-    make_fabric,
-    predict_loads,
-    predict_phase,
-)
+from commbench.fabric.model import FabricParams, PhasePrediction, balanced_traffic, make_fabric, predict_phase
 from commbench.inputs.userfiles import load_yaml
+from commbench.traffic.nodes import Nodes, node_stage_rows, node_token_counts
 
 KINDS = ("nccl_busbw", "nccl_time_us", "deepep_dispatch", "deepep_combine")
 
@@ -67,86 +56,70 @@ def calibration_cases() -> tuple[CalibrationCase, ...]:
 
 # DeepEP's benchmark setting (tests/test_intranode.py, tests/test_internode.py): 4096 tokens per rank, hidden
 # 7168, 256 experts, top-8; internode: experts grouped by node, top min(nodes, 4) nodes per token by the max
-# score in each node. FP8 dispatch rows = hidden x (1 + 4/128) bytes, BF16 combine rows = 2 x hidden.
+# score in each node. FP8 dispatch rows = hidden x (1 + 4/128) bytes, BF16 combine rows = 2 x hidden. These
+# are the published runs' inputs (the cases' ranks per node is their ranks_per_domain); the per-node traffic
+# itself is the general node-mode builder of ``commbench.traffic.nodes``.
 DEEPEP_TOKENS, DEEPEP_HIDDEN, DEEPEP_EXPERTS, DEEPEP_TOPK = 4096, 7168, 256, 8
+DEEPEP_MAX_NODES = 4
 DEEPEP_FP8_ROW = DEEPEP_HIDDEN + DEEPEP_HIDDEN // 128 * 4
 DEEPEP_BF16_ROW = 2 * DEEPEP_HIDDEN
-DEEPEP_LOCAL_RANKS = 8
 
 
-def deepep_test_hits(num_ranks: int, tokens: int, rng: np.random.Generator, chunk: int = 8) -> np.ndarray:
+def deepep_test_hits(
+    num_ranks: int,
+    ranks_per_node: int,
+    tokens: int,
+    rng: np.random.Generator,
+    experts: int = DEEPEP_EXPERTS,
+    topk: int = DEEPEP_TOPK,
+    max_nodes: int = DEEPEP_MAX_NODES,
+    chunk: int = 8,
+) -> np.ndarray:
     """bool [src rank, token, dst rank]: which ranks each token reaches under DeepEP's test routing
-    (|N(0,1)| + 1 scores, node-group limit top-min(nodes, 4) by max score, then top-8 experts)."""
-    nodes = max(1, num_ranks // DEEPEP_LOCAL_RANKS)
-    topk_groups = min(nodes, 4)
-    experts_per_node = DEEPEP_EXPERTS // nodes
-    experts_per_rank = DEEPEP_EXPERTS // num_ranks
+    (|N(0,1)| + 1 scores, node-group limit top-min(nodes, ``max_nodes``) by max score, then top-k experts),
+    ``experts`` placed contiguously over ``num_ranks`` in nodes of ``ranks_per_node``."""
+    nodes = max(1, num_ranks // ranks_per_node)
+    topk_groups = min(nodes, max_nodes)
+    experts_per_node = experts // nodes
+    experts_per_rank = experts // num_ranks
     hits = np.zeros((num_ranks, tokens, num_ranks), dtype=bool)
     for start in range(0, num_ranks, chunk):
         count = min(chunk, num_ranks - start)
-        scores = np.abs(rng.standard_normal((count, tokens, DEEPEP_EXPERTS), dtype=np.float32)) + 1.0
+        scores = np.abs(rng.standard_normal((count, tokens, experts), dtype=np.float32)) + 1.0
         if nodes > 1 and topk_groups < nodes:
             group_scores = scores.reshape(count, tokens, nodes, experts_per_node).max(-1)
             keep = np.argpartition(-group_scores, topk_groups - 1, axis=-1)[..., :topk_groups]
             kept = np.zeros_like(group_scores, dtype=bool)
             np.put_along_axis(kept, keep, True, axis=-1)
             scores = np.where(np.repeat(kept, experts_per_node, axis=-1), scores, 0.0)
-        experts = np.argpartition(-scores, DEEPEP_TOPK - 1, axis=-1)[..., :DEEPEP_TOPK]
-        np.put_along_axis(hits[start : start + count], experts // experts_per_rank, True, axis=-1)
+        chosen = np.argpartition(-scores, topk - 1, axis=-1)[..., :topk]
+        np.put_along_axis(hits[start : start + count], chosen // experts_per_rank, True, axis=-1)
     return hits
 
 
-def deepep_internode_loads(
-    hits: np.ndarray, row_bytes: int, combine: bool = False
-) -> tuple[LinkLoads, np.ndarray]:
-    """DeepEP normal-kernel traffic (dispatch, or its mirror for combine) and the bytes DeepEP's test counts.
+def deepep_node_traffic(
+    hits: np.ndarray, nodes: Nodes, row_bytes: int, combine: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """([src][dst] bytes of DeepEP's normal kernels, the bytes DeepEP's test counts per rank).
 
-    A token crosses the network once per destination node (to the rank with the sender's local index there),
-    then that rank forwards it over NVLink to each rank of the node that holds its experts; the sender's own
-    node is reached over NVLink directly. The counted bytes follow the test: RDMA = (token, node) pairs,
-    the sender's own node included; NVL (intranode) = rows received, the rank's own included.
+    The traffic is node mode's (``traffic.nodes``): a token crosses the network once per other node holding
+    its experts (to the rank with the sender's local index there), which forwards it over NVLink to each of
+    that node's ranks holding them; the sender's own node is reached over NVLink directly; combine is the
+    mirror (the transpose), both stages at once as DeepEP pipelines them. The counted bytes follow the
+    test: RDMA = (token, node) pairs, the sender's own node included; NVL (one node) = rows received, the
+    rank's own included.
     """
-    num_ranks, tokens, _ = hits.shape
-    local_ranks = min(DEEPEP_LOCAL_RANKS, num_ranks)
-    nodes = num_ranks // local_ranks
-    by_node = hits.reshape(num_ranks, tokens, nodes, local_ranks)
-    node_hit = by_node.any(-1)  # [src, token, node]
-    src_node = np.arange(num_ranks) // local_ranks
-    src_local = np.arange(num_ranks) % local_ranks
-    rows_to_node = node_hit.sum(1).astype(np.float64)  # [src, node]
-    remote = src_node[:, None] != np.arange(nodes)[None, :]
-    # NVLink forwarding at node b by the rank with the sender's local index l: every rank hit there but l.
-    hits_at = by_node.sum(1).astype(np.float64)  # [src, node, local]: tokens of src that reach (node, local)
-    own_slot = hits_at[np.arange(num_ranks), :, src_local]  # [src, node]: reach the forwarder itself
-    forward_rows = hits_at.sum(-1) - own_slot  # [src, node]
-    receive_rows = hits_at.copy()
-    receive_rows[np.arange(num_ranks), :, src_local] = 0.0  # the forwarder's own rows stay on its GPU
-
-    loads = np.zeros((num_ranks, 2, 2))
-    msgs = np.zeros((num_ranks, 2, 2), dtype=np.int64)
-    nic_out = np.where(remote, rows_to_node, 0.0)
-    loads[:, SCALEOUT, SEND] = nic_out.sum(1) * row_bytes
-    msgs[:, SCALEOUT, SEND] = (nic_out > 0).sum(1)
-    # The receiving NIC of node b with local index l takes what every remote sender with local index l sends.
-    recv_nic = np.zeros((nodes, local_ranks))
-    recv_msgs = np.zeros((nodes, local_ranks), dtype=np.int64)
-    np.add.at(recv_nic, (slice(None), src_local), nic_out.T)
-    np.add.at(recv_msgs, (slice(None), src_local), (nic_out > 0).T.astype(np.int64))
-    loads[:, SCALEOUT, RECV] = recv_nic.reshape(-1) * row_bytes
-    msgs[:, SCALEOUT, RECV] = recv_msgs.reshape(-1)
-    forward = np.zeros((nodes, local_ranks))
-    np.add.at(forward, (slice(None), src_local), forward_rows.T)
-    loads[:, NVLINK, SEND] = forward.reshape(-1) * row_bytes
-    loads[:, NVLINK, RECV] = receive_rows.sum(0).reshape(-1) * row_bytes
-    msgs[:, NVLINK, :] = local_ranks - 1
-    if combine:  # combine mirrors dispatch: every send becomes a receive
-        loads = loads[:, :, ::-1].copy()
-        msgs = msgs[:, :, ::-1].copy()
-    rdma_counted = rows_to_node.sum(1) * row_bytes
-    nvl_counted = hits.sum((0, 1)).astype(np.float64) * row_bytes
-    counted = rdma_counted if nodes > 1 else nvl_counted
-    total = hits.sum() * float(row_bytes)
-    return LinkLoads(bytes=loads, messages=msgs, total_bytes=total), counted
+    tokens = hits.sum(axis=1, dtype=np.int64)  # [src, dst]
+    node_tokens = node_token_counts(hits, nodes.node_of_rank, nodes.num_nodes)  # [src, node]
+    scaleout, nvlink = node_stage_rows(tokens, node_tokens, nodes)
+    matrix = (scaleout + nvlink).astype(np.float64) * row_bytes
+    if combine:
+        matrix = np.ascontiguousarray(matrix.T)
+    if nodes.num_nodes > 1:
+        counted = node_tokens.sum(axis=1) * float(row_bytes)
+    else:
+        counted = tokens.sum(axis=0) * float(row_bytes)
+    return matrix, counted
 
 
 def predict_case(
@@ -162,10 +135,14 @@ def predict_case(
             return prediction.time_s * 1e6, prediction
         busbw = case.size_bytes * (case.world_size - 1) / case.world_size / prediction.time_s / 1e9
         return busbw, prediction
-    hits = deepep_test_hits(case.world_size, tokens, np.random.default_rng(seed))
+    per_node = min(case.ranks_per_domain, case.world_size)
+    hits = deepep_test_hits(case.world_size, per_node, tokens, np.random.default_rng(seed))
     combine = case.kind == "deepep_combine"
-    loads, counted = deepep_internode_loads(hits, DEEPEP_BF16_ROW if combine else DEEPEP_FP8_ROW, combine)
-    prediction = predict_loads(loads, fabric)
+    nodes = Nodes.of(fabric.layout.domain_of_rank)
+    matrix, counted = deepep_node_traffic(
+        hits, nodes, DEEPEP_BF16_ROW if combine else DEEPEP_FP8_ROW, combine
+    )
+    prediction = predict_phase(matrix, fabric)
     # DeepEP prints rank 0's counted bytes over its kernel time; the mean over ranks is its expectation.
     return float(counted.mean()) / prediction.time_s / 1e9, prediction
 

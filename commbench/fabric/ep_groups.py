@@ -6,6 +6,12 @@ which ``commbench.fabric.model.predict_phase`` takes without building the world 
 hit counting come from the traffic stage (``route_rank``, ``destination_hits``), and so does the expert
 placement when the EP size divides the experts (``expert_rank``); only the uneven placement (256 experts on
 72 ranks) is defined here.
+
+Node mode (``--send-mode node``, ``traffic.nodes``): the nodes are the NVLink domains of the fabric's layout
+as each EP group's ranks sit in them (an EP group that starts or ends inside a rack has a partial node
+there); each group's two stages come from its tokens per destination rank and per destination node, and a
+phase's matrix is both stages' bytes (each hop counted on the link it crosses: the scale-out stage only
+crosses NICs, the NVLink stage only NVLink).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from commbench.fabric.model import Fabric, PhasePrediction, make_fabric, predict
 from commbench.inputs.models import ModelConfig, load_model
 from commbench.inputs.skew import SkewSpec, parse_skew
 from commbench.inputs.specs import SystemSpec, load_spec
+from commbench.traffic.nodes import Nodes, node_stage_rows, node_token_counts
 from commbench.traffic.pattern import SEND_MODES, destination_hits
 from commbench.traffic.routing import RoutingConfig, expert_popularity, expert_rank, route_rank
 
@@ -67,6 +74,8 @@ class GroupedPattern:
     method: str  # "exact" or "sampled"
     sample_tokens: int = 0  # pooled routed tokens behind the hit probabilities (sampled method)
     hit_probability: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [m] P(token reaches rank)
+    # Node mode: {"scaleout", "nvlink"}: int64 [G, m, m] rows of each dispatch stage (traffic.nodes); else {}.
+    stage_rows: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def num_groups(self) -> int:
@@ -74,6 +83,8 @@ class GroupedPattern:
 
     @property
     def dispatch_rows(self) -> np.ndarray:
+        if self.send_mode == "node":
+            return self.stage_rows["scaleout"] + self.stage_rows["nvlink"]
         return self.dispatch_tokens if self.send_mode == "token" else self.dispatch_selections
 
     @property
@@ -105,8 +116,13 @@ class GroupedPattern:
                 f"sampled: hit probabilities from {self.sample_tokens} routed tokens, per-pair counts drawn"
             )
         )
+        mode = ""
+        if self.send_mode == "node":
+            crossing = int(self.stage_rows["scaleout"].sum())
+            mode = f"; send mode node: {crossing} scale-out rows (a token once per other node)"
         return (
             f"{self.model.name}, {self.tokens_per_rank} tokens/rank, skew {self.skew_text}, {layout}; {how}"
+            + mode
         )
 
 
@@ -131,16 +147,57 @@ def _group_routing(model: ModelConfig, skew: SkewSpec, ep_size: int, tokens: int
     return RoutingConfig(model=model, skew=skew, world_size=world, tokens_per_rank=tokens, seed=seed)
 
 
-def _routed_rows(cfg: RoutingConfig, owner: np.ndarray, sources: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, selections), int64 [sources, ep_size]: what the first ``sources`` ranks of an EP group, each
-    routing ``cfg.tokens_per_rank`` tokens, send each EP rank (a token once per destination rank)."""
+def _routed_hits(cfg: RoutingConfig, owner: np.ndarray, sources: int) -> np.ndarray:
+    """int64 [sources, tokens, ep_size]: kept selections of each token of the first ``sources`` ranks of an
+    EP group (each routing ``cfg.tokens_per_rank`` tokens) on each EP rank."""
     ep_size = int(owner[-1]) + 1
     if cfg.world_size == ep_size:  # one routing stream per rank, as the real ranks would
         topk_ids = torch.cat([route_rank(cfg, rank).topk_ids for rank in range(sources)])
     else:  # uneven placement: the sources' tokens in one stream, split by rank below
         topk_ids = route_rank(replace(cfg, tokens_per_rank=cfg.tokens_per_rank * sources), 0).topk_ids
-    hits = destination_hits(topk_ids.numpy(), owner, ep_size).reshape(sources, cfg.tokens_per_rank, ep_size)
+    return destination_hits(topk_ids.numpy(), owner, ep_size).reshape(sources, cfg.tokens_per_rank, ep_size)
+
+
+def _routed_rows(cfg: RoutingConfig, owner: np.ndarray, sources: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, selections), int64 [sources, ep_size]: what the first ``sources`` ranks of an EP group send
+    each EP rank (a token once per destination rank)."""
+    hits = _routed_hits(cfg, owner, sources)
     return (hits > 0).sum(1), hits.sum(1)
+
+
+def group_nodes(domain_of_rank: np.ndarray, ep_size: int) -> list[Nodes]:
+    """The nodes of each EP group (contiguous ranks): the NVLink domains its ranks sit in."""
+    domains = np.asarray(domain_of_rank, dtype=np.int64).reshape(-1, ep_size)
+    return [Nodes.of(group) for group in domains]
+
+
+def _node_stages(
+    tokens: np.ndarray, node_tokens: list[np.ndarray], nodes: list[Nodes]
+) -> dict[str, np.ndarray]:
+    """{"scaleout", "nvlink"}: [G, m, m] rows of each group's dispatch stages."""
+    parts = [node_stage_rows(tokens[g], node_tokens[g], nodes[g]) for g in range(tokens.shape[0])]
+    return {"scaleout": np.stack([p[0] for p in parts]), "nvlink": np.stack([p[1] for p in parts])}
+
+
+def _sampled_node_tokens(
+    cfg: RoutingConfig, owner: np.ndarray, tokens: np.ndarray, nodes: list[Nodes], tokens_per_rank: int
+) -> list[np.ndarray]:
+    """Per group, int64 [m, nodes]: tokens of each source reaching each node, drawn like the per-rank counts
+    (Binomial(tokens per rank, the sample's share of tokens reaching the node), its own random stream so the
+    per-rank draws stay those of token mode), kept between the busiest rank of the node's count and the
+    sum of its ranks' counts (what a token reaching it implies)."""
+    sample = _routed_hits(cfg, owner, 1)  # [1, sample tokens, m]
+    rng = np.random.default_rng([cfg.seed, 0xFAB, 0x40DE])
+    out = []
+    for g, group in enumerate(nodes):
+        share = node_token_counts(sample, group.node_of_rank, group.num_nodes)[0] / cfg.tokens_per_rank
+        drawn = rng.binomial(tokens_per_rank, np.broadcast_to(share, (tokens.shape[1], group.num_nodes)))
+        per_node = np.zeros((tokens.shape[1], group.num_nodes), dtype=np.int64)
+        busiest = np.zeros_like(per_node)
+        np.add.at(per_node, (slice(None), group.node_of_rank), tokens[g])
+        np.maximum.at(busiest, (slice(None), group.node_of_rank), tokens[g])
+        out.append(np.clip(drawn, busiest, np.minimum(per_node, tokens_per_rank)).astype(np.int64))
+    return out
 
 
 def _exchangeable_classes(owner: np.ndarray, weights: np.ndarray | None, model: ModelConfig) -> np.ndarray:
@@ -194,19 +251,24 @@ def grouped_pattern(
     seed: int = 0,
     sample_tokens: int = 4096,
     exact: bool | None = None,
+    domain_of_rank: np.ndarray | None = None,
 ) -> GroupedPattern:
-    """Dispatch traffic of ``world_size`` ranks in EP groups of ``ep_size`` (default min(world, experts)).
+    """Dispatch traffic of ``world_size`` ranks in EP groups of ``ep_size`` (default min(world, experts));
+    node mode on the NVLink domains ``domain_of_rank`` ([world], a fabric's ``layout.domain_of_rank``).
 
     ``exact=True`` routes every token (cost grows with world x tokens). The sampled fast path (default when
     world x tokens exceeds 65,536) exploits that expert popularity is global: it routes ``sample_tokens``
     tokens once, estimates for each EP rank the probability that a token reaches it (pooled over ranks whose
     experts are interchangeable) and the selections per reaching token, then draws every (src, dst) count:
     tokens ~ Binomial(tokens_per_rank, p[dst]), extra selections ~ Poisson. Column sums (what a rank
-    receives) then have the exact build's distribution given p; docs/fabric-model.md gives the error.
+    receives) then have the exact build's distribution given p; docs/fabric-model.md gives the error. Node
+    mode's tokens per node are counted from every token (exact) or drawn (``_sampled_node_tokens``).
     """
     cfg_model, skew_spec = _model_and_skew(model, skew)
     if send_mode not in SEND_MODES:
-        raise UsageError(f"unknown send mode {send_mode!r}; choose token or selection")
+        raise UsageError(f"unknown send mode {send_mode!r}; choose {', '.join(SEND_MODES)}")
+    if send_mode == "node" and (domain_of_rank is None or np.size(domain_of_rank) != world_size):
+        raise UsageError(f"send mode node needs the NVLink domain of each of the {world_size} ranks")
     if tokens_per_rank < 1:
         raise UsageError(f"--tokens must be positive, got {tokens_per_rank}")
     experts = cfg_model.num_experts
@@ -220,18 +282,27 @@ def grouped_pattern(
     groups = world_size // ep
     use_exact = exact if exact is not None else world_size * tokens_per_rank <= EXACT_LIMIT
     sampled: dict[str, Any] = {}
+    nodes = group_nodes(domain_of_rank, ep) if send_mode == "node" else []  # type: ignore[arg-type]
+    node_tokens: list[np.ndarray] = []
     if use_exact:
         tokens = np.zeros((groups, ep, ep), dtype=np.int64)
         selections = np.zeros_like(tokens)
         for g in range(groups):
             cfg = _group_routing(cfg_model, skew_spec, ep, tokens_per_rank, seed + g)
-            tokens[g], selections[g] = _routed_rows(cfg, owner, ep)
+            hits = _routed_hits(cfg, owner, ep)
+            tokens[g], selections[g] = (hits > 0).sum(1), hits.sum(1)
+            if nodes:
+                node_tokens.append(node_token_counts(hits, nodes[g].node_of_rank, nodes[g].num_nodes))
     else:
         if sample_tokens < 1:
             raise UsageError(f"--sample-tokens must be positive, got {sample_tokens}")
         cfg = _group_routing(cfg_model, skew_spec, ep, int(sample_tokens), seed)
         tokens, selections, p_hit = _sampled_blocks(cfg, owner, groups, tokens_per_rank)
         sampled = {"sample_tokens": int(sample_tokens), "hit_probability": p_hit}
+        if nodes:
+            node_tokens = _sampled_node_tokens(cfg, owner, tokens, nodes, tokens_per_rank)
+    if nodes:
+        sampled["stage_rows"] = _node_stages(tokens, node_tokens, nodes)
     return GroupedPattern(
         model=cfg_model,
         world_size=world_size,
@@ -292,13 +363,19 @@ def simulate(
     base: dict[str, float] = {}
     for world, fabric in zip(sizes, fabrics, strict=True):
         pattern = grouped_pattern(
-            model, world, tokens_per_rank, skew, ep_size, send_mode, seed, sample_tokens, exact
-        )
+            model, world, tokens_per_rank, skew, ep_size, send_mode, seed, sample_tokens, exact,
+            fabric.layout.domain_of_rank,
+        )  # fmt: skip
         note = f"{world} ranks: {pattern.describe()}; {fabric.describe()}" + _span_note(pattern, fabric)
         per_host = uniform_host_size(fabric.layout)
         if fabric.params.rail_optimized and fabric.params.pxn and per_host and pattern.ep_size % per_host:
             note += (
                 f"; PXN not modelled: EP groups of {pattern.ep_size} do not align with {per_host}-rank hosts"
+            )
+        if send_mode == "node":
+            note += (
+                "; node mode: each phase is both stages' bytes at once (the stages pipelined, as DeepEP's "
+                "internode kernels run them), nodes = the NVLink domains each EP group's ranks sit in"
             )
         notes.append(note)
         dispatch = predict_phase(pattern.dispatch_bytes, fabric)

@@ -130,7 +130,9 @@ def build_layout(
     """Hosts and domains of every rank.
 
     Overrides win over discovery: ``ranks_per_domain`` alone makes each domain one host (as on HGX servers);
-    ``ranks_per_host`` alone keeps discovered (or a single) domain; both must nest (a host inside a domain).
+    ``ranks_per_host`` alone keeps the discovered fabric cliques (NVL72 racks), and where no rank reported
+    one the domains follow the overridden hosts (a domain is then a host, as without overrides: 4 CPU ranks
+    with ``ranks_per_host=2`` stand for 2 hosts of 2); both must nest (a host inside a domain).
     An override that does not divide the ranks (3 + 1 at world 4) is refused unless ``partial_last``: a
     what-if on a spec's machines (300 GPUs of 72-GPU racks: 4 full and one partial) may end in a partial one.
     """
@@ -145,15 +147,15 @@ def build_layout(
                 f"--ranks-per-domain {ranks_per_domain} is not a multiple of --ranks-per-host "
                 f"{ranks_per_host}; a host must sit inside one NVLink domain"
             )
+        domains = None
         if ranks_per_domain is not None:
             domains = _contiguous(world_size, ranks_per_domain, "--ranks-per-domain", partial_last)
-        elif places is not None:
+        elif places is not None and any(p.fabric_cluster_uuid for p in places):
             domains = _dense_ids([p.domain_key for p in places])
-        else:
-            domains = np.zeros(world_size, dtype=np.int64)
         per_host = ranks_per_host if ranks_per_host is not None else ranks_per_domain
         hosts = _contiguous(world_size, int(per_host), "--ranks-per-host", partial_last)
-        return Layout(domains, hosts, "override", tuple(places or ()))
+        # No fabric clique: a rank's NVLink domain is its host, the overridden one.
+        return Layout(hosts.copy() if domains is None else domains, hosts, "override", tuple(places or ()))
     if places is not None:
         hosts = _dense_ids([p.host for p in places])
         domains = _dense_ids([p.domain_key for p in places])

@@ -29,9 +29,17 @@ Conventions
 - Bytes are payload only: token rows, FP8 scales included; routing metadata and the counts exchange are not
   counted (the counts exchange is inside the timed dispatch). Dispatch rows are FP8 (hidden bytes + one fp32
   scale per scale block) or BF16 (2 x hidden bytes); combine rows are BF16 (2 x hidden bytes).
-- send_mode=token (DeepEP normal kernels): a token is sent once to each destination rank that holds at least
-  one of its selected experts (de-duplicated per destination rank). send_mode=selection: one row per
-  (token, expert) selection. Dropped selections (mask ratio, capacity) send nothing.
+- send_mode=token (DeepEP's intranode normal kernels): a token is sent once to each destination rank that
+  holds at least one of its selected experts (de-duplicated per destination rank). send_mode=selection: one
+  row per (token, expert) selection. send_mode=node (per-node dispatch, as DeepEP's internode kernels,
+  Hybrid-EP and UCCL-EP; a node = an NVLink domain): a token is sent once to each OTHER node holding one of
+  its experts, over scale-out to the rank with the sender's local index there (rows of phase
+  dispatch:scaleout), then once to each rank of the node holding them, over NVLink, by that rank or, on the
+  sender's own node, by the sender (dispatch:nvlink); combine mirrors it (combine:nvlink, the rows reduced
+  per token on the rank that forwarded them, then combine:scaleout, one BF16 row per (token, node)). A
+  node-mode dispatch or combine row counts both stages' bytes, each on the link it crosses (a forwarded
+  token twice: once per hop), and times both stages back to back; a stage row times that stage alone.
+  Dropped selections (mask ratio, capacity) send nothing.
 - size(B): the bottleneck rank's max(bytes sent, bytes received), self traffic (a rank to itself) INCLUDED.
   For the balanced all-to-all, size = bytes each rank sends in total (nccl-tests alltoall size).
 - time(us): the row's timing column says how it was timed (rows without one: iteration). iteration = a
@@ -87,7 +95,9 @@ Conventions
   out-of-place and in-place (where run) alike, as nccl-tests' footer; MoE phases are never averaged in.
 - GB = 1e9 bytes; GB/s = 1e9 bytes per second; time in microseconds.
 - #wrong: mismatched bytes after dispatch and the balanced all-to-all, mismatched output elements after
-  combine (float64 reference, tolerance 1e-4 x sum |w x| + 1e-6), summed over ranks and verified
+  combine (float64 reference, tolerance 1e-4 x sum |w x| + 1e-6; node mode's combine and combine:scaleout
+  2^-7 x sum |w x| + 1e-6: the forwarded partial sums cross the scale-out link in BF16, as DeepEP's
+  internode combine), summed over ranks and verified
   iterations; 0 = every verified iteration matched. check (a column of every row) says which were verified.
   checksum (default) and every: before each timed iteration every receive buffer is filled with a sentinel
   (0xFF bytes: a row header no (src, token) has, NaN as bf16/fp32), outside the timer, so an iteration

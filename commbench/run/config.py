@@ -90,18 +90,22 @@ class RunOptions:
         None,
         "Override the discovered NVLink domains: contiguous groups of N ranks share one (a CPU what-if: 4 "
         "gloo ranks with N=2 stand for 2 domains of 2). Must divide the world size. Default: NVML fabric "
-        "clique, else the host.",
+        "clique, else the host. pattern: the nodes of --send-mode node and the link classes it prints.",
         kind="int",
         low=1,
         high=MAX_RANKS,
+        commands=(*LAUNCHED, "pattern"),
     )
     ranks_per_host: int | None = option(
         None,
-        "Override the hosts: contiguous groups of N ranks per host (must divide --ranks-per-domain). "
-        "Default: discovered host names, or one host per domain with --ranks-per-domain.",
+        "Override the hosts: contiguous groups of N ranks per host (must divide --ranks-per-domain). Without "
+        "--ranks-per-domain the NVLink domains stay the discovered fabric cliques, or where there are none "
+        "follow these hosts (one domain per host). Default: discovered host names, or one host per domain "
+        "with --ranks-per-domain.",
         kind="int",
         low=1,
         high=MAX_RANKS,
+        commands=(*LAUNCHED, "pattern"),
     )
     imbalance_cost: bool | None = option(
         None,
@@ -402,6 +406,16 @@ class RunConfig:
             timing = dataclasses.replace(timing, timing="iteration")
         if harness.check == "every" and timing.timing == "window":
             raise UsageError("--check every needs --timing iteration")
+        if self.moe.send_mode == "node" and harness.imbalance_cost:
+            raise UsageError(
+                "--imbalance-cost reruns a uniform layout of the same rows, which --send-mode node's two "
+                "stages do not have; drop --imbalance-cost or use --send-mode token"
+            )
+        if self.moe.send_mode == "node" and self.sweep.nccl_tests_matrix is not None:
+            raise UsageError(
+                "--nccl-tests-matrix writes one all-to-all, --send-mode node runs two (scale-out, then "
+                "NVLink); use --send-mode token or selection"
+            )
         timing = dataclasses.replace(
             timing,
             warmup=timing.warmup

@@ -29,7 +29,7 @@ QUICK_ITERS = 5
 CHECK_MODES = ("checksum", "every")
 TIMINGS = ("window", "iteration")
 CORRUPT_PHASES = ("dispatch", "combine")
-SEND_MODES = ("token", "selection")
+SEND_MODES = ("token", "selection", "node")
 PATTERNS = ("moe", "balanced", "pairwise", "kineto")
 
 RUN = ("run", "profile")

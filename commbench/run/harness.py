@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 
-from commbench.errors import VerificationError
+from commbench.errors import UsageError, VerificationError
 from commbench.inputs.layout import Layout
 from commbench.plain import knobs_text
 from commbench.run import torch_profiler
@@ -70,18 +70,28 @@ from commbench.run.jobs import (
     job_backend_options,
 )
 from commbench.run.matrix import matrix_pattern, matrix_phase
+from commbench.run.nodes import (
+    NodeGroups,
+    NodeLayer,
+    StagePair,
+    make_node_groups,
+    node_backend_refusal,
+    phase_matrix,
+)
 from commbench.run.phases import (
     MoeLayer,
     Phase,
     alltoall_phases,
     clear_traffic_cache,
     moe_traffic,
+    node_traffic,
     reference_traffic,
 )
 from commbench.run.placement import gather_layout
 from commbench.run.profile import PhaseProfile, RankProfile, gathered_profile
 from commbench.run.rows import NO_REFERENCE, RowMaker, in_place_columns, reference_columns
 from commbench.run.steps import NO_STEPS, StepRecorder
+from commbench.traffic.nodes import Nodes
 from commbench.traffic.pattern import Pattern, balanced_pattern
 from commbench.traffic.plan import RankPlan
 
@@ -136,6 +146,9 @@ def run_jobs(
     are estimated once here, a collective).
     """
     opts.check_world(comm.world_size)
+    refusal = node_backend_refusal(backend_class, [job.send_mode for job in jobs if isinstance(job, MoeJob)])
+    if refusal:
+        raise UsageError(refusal)
     for job in jobs:
         job.check(comm.world_size)
         if backend_class.moves_data:  # nothing is verified otherwise, so any check mode fits any timing
@@ -162,13 +175,19 @@ def run_jobs(
                 sink([row], new_rank_rows)
 
     backends = _BackendPerSetting(comm, backend_class)
+    groups: list[NodeGroups] = []  # --send-mode node's sub-groups, made (a collective) at its first job
     try:
         for index, job in enumerate(jobs):
             current["job_index"] = index
-            backend = backends.get(job_backend_options(job, opts))
+            options = job_backend_options(job, opts)
+            backend = backends.get(options)
             run = {MoeJob: _run_moe, MatrixJob: _run_matrix}.get(type(job), _run_balanced)
             maker = RowMaker(job, backend, layout, check_label(backend, opts, job.timing))
-            failures = run(comm, backend, job, opts, maker, emit)
+            if isinstance(job, MoeJob) and job.send_mode == "node":
+                groups = groups or [make_node_groups(comm, Nodes.of(layout.domain_of_rank))]
+                failures = _run_node(comm, backend, job, opts, maker, emit, groups[0], options)
+            else:
+                failures = run(comm, backend, job, opts, maker, emit)
             if failures:
                 setting = f" ({knobs_text(job.backend_options)})" if job.backend_options else ""
                 raise VerificationError(
@@ -204,7 +223,9 @@ class _BackendPerSetting:
             closing.close()
 
 
-def bench(comm: Any, backend: Backend, job: MoeJob | BalancedJob, phase: Phase, opts: RunOptions) -> Measured:
+def bench(
+    comm: Any, backend: Backend | StagePair, job: MoeJob | BalancedJob, phase: Phase, opts: RunOptions
+) -> Measured:
     """Warm up, time ``job.iters`` calls the job's way and check them (see the module docstring); every
     rank's times, arrivals and #wrong, gathered. ``opts.corrupt`` (the test hook) changes the last output on
     rank 0 before its full check; ``opts.inject_delay`` (the other test hook) delays a rank's timed calls.
@@ -288,7 +309,7 @@ class _TimedCalls:
 
 
 def _timed_iterations(
-    comm: Any, backend: Backend, calls: _TimedCalls, iters: int, mode: str, wrong: list[int]
+    comm: Any, backend: Backend | StagePair, calls: _TimedCalls, iters: int, mode: str, wrong: list[int]
 ) -> tuple[list[float], Any]:
     """``iters`` timed calls, each after its own poison and barrier: (seconds of each, the last output).
     Appends this rank's #wrong of every iteration but the last (the caller verifies that one in full) to
@@ -322,7 +343,7 @@ def _timed_iterations(
 
 
 def _timed_window(
-    comm: Any, backend: Backend, calls: _TimedCalls, iters: int, checking: bool
+    comm: Any, backend: Backend | StagePair, calls: _TimedCalls, iters: int, checking: bool
 ) -> tuple[list[float], Any]:
     """One timer around ``iters`` back-to-back calls (nccl-tests' timed loop): ([window / iters], the last
     output). An emulated backend's modelled times are summed over the window's calls."""
@@ -443,6 +464,40 @@ def _run_moe(
         for row, rank_rows, measured in held:
             emit({**row, **references[row["phase"]]}, rank_rows, measured)
         failures += reference_failures
+    return failures
+
+
+def _run_node(
+    comm: Any,
+    backend: Backend,
+    job: MoeJob,
+    opts: RunOptions,
+    maker: RowMaker,
+    emit: Emit,
+    groups: NodeGroups,
+    options: dict[str, Any],
+) -> list[str]:
+    """--send-mode node: the six phases of ``run.nodes.NodeLayer`` (each phase, then its stages), each
+    benched and verified like any phase, a row each with its own [src][dst] bytes."""
+    pattern, plans = node_traffic(comm, job, groups.nodes)
+    layer = NodeLayer(comm, groups, backend, options, plans, job.routing.model.hidden)
+    failures: list[str] = []
+    try:
+        for phase in layer.phases():
+            measured = bench(comm, layer.pair, job, phase, opts)
+            token = plans[0].token
+            dispatching = phase.name.startswith("dispatch")
+            row_bytes = token.dispatch_row_bytes if dispatching else token.combine_row_bytes
+            made = maker.rows(
+                phase.name, phase_matrix(pattern, phase.name), row_bytes, measured.seconds, measured.wrong,
+                pattern.expert_load, arrival=measured.arrival, wait=measured.wait,
+            )  # fmt: skip
+            # The comm/compute budget's input, on every MoE row as _run_moe's.
+            made[0]["busiest_rank_selections"] = int(pattern.stats["rank_recv_selections_max"])
+            emit(*made, measured)
+            failures += _failures(phase, measured, job)
+    finally:
+        layer.close()
     return failures
 
 

@@ -73,6 +73,9 @@ class Backend(abc.ABC):
     # True where the backend models the report's system and layout (sim): the launch hands it --spec and the
     # layout overrides as its own options, unless they are given as --backend-option.
     models_report_layout: ClassVar[bool] = False
+    # True where an instance can run on a sub-group of the ranks (its ``comm`` a ``run.nodes.GroupComm``),
+    # so that ``--send-mode node`` runs its two stages on it (nccl, gloo: torch.distributed groups).
+    node_stages: ClassVar[bool] = False
     # How its library defines the bandwidth it prints, for the report's "as the library prints it" figure
     # (report.interop.vocabulary); () = only commbench's algbw/busbw.
     bandwidth_vocabulary: ClassVar[tuple[LibraryBandwidth, ...]] = ()

@@ -16,6 +16,7 @@ import numpy as np
 
 from commbench.errors import UsageError
 from commbench.run.config import TIMINGS, RunOptions
+from commbench.traffic.nodes import node_phases
 from commbench.traffic.pattern import SEND_MODES
 from commbench.traffic.payload import HEADER_BYTES
 from commbench.traffic.plan import balanced_row_bytes
@@ -40,7 +41,8 @@ class MoeJob:
     kind: ClassVar[str] = "moe"
     name: str
     routing: RoutingConfig
-    send_mode: str = "token"  # "token" (a row per (token, destination rank)) or "selection"
+    # "token" (a row per (token, destination rank)), "selection" or "node" (traffic.nodes: two stages)
+    send_mode: str = "token"
     warmup: int = 5
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
@@ -63,8 +65,14 @@ class MoeJob:
             )
         if self.send_mode not in SEND_MODES:
             raise UsageError(
-                f"job {self.name!r}: unknown send mode {self.send_mode!r}; choose token or selection"
+                f"job {self.name!r}: unknown send mode {self.send_mode!r}; choose {', '.join(SEND_MODES)}"
             )
+
+    @property
+    def phases(self) -> tuple[str, ...]:
+        """The row phases the job writes, in order: dispatch and combine, and in node mode each one's two
+        stages after it (``traffic.nodes.node_phases``)."""
+        return node_phases() if self.send_mode == "node" else ("dispatch", "combine")
 
 
 @dataclass

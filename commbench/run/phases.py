@@ -25,6 +25,8 @@ import torch
 
 from commbench.run.interface import Backend
 from commbench.run.jobs import MoeJob
+from commbench.traffic.node_plan import NodePlan, node_plans
+from commbench.traffic.nodes import Nodes
 from commbench.traffic.pattern import Pattern, RankCounts, pattern_from_counts, rank_counts
 from commbench.traffic.payload import (
     COMBINE_RTOL,
@@ -82,14 +84,14 @@ class Phase:
 
     @property
     def corrupted_by(self) -> str:
-        """The ``RunOptions.corrupt`` value that hits this phase's output."""
-        return "combine" if self.name == "combine" else "dispatch"
+        """The ``RunOptions.corrupt`` value that hits this phase's output (a node-mode stage's too)."""
+        return "combine" if self.name.startswith("combine") else "dispatch"
 
     def corrupt(self, output: torch.Tensor) -> None:
         """Test hook: change one combined element, or flip the last byte of the first received row."""
         if not output.numel():
             return
-        if self.name == "combine":
+        if self.corrupted_by == "combine":
             output.view(-1)[:1].add_(1.0)
         else:
             output[0, -1:].bitwise_xor_(0xFF)
@@ -257,7 +259,33 @@ def moe_traffic(comm: Any, job: MoeJob) -> tuple[Pattern, list[RankPlan]]:
     return _pattern(job.routing, job.send_mode), plans
 
 
+@functools.lru_cache(maxsize=128)
+def _node_counts(cfg: RoutingConfig, nodes: Nodes, rank: int) -> RankCounts:
+    return rank_counts(_routing(cfg, rank), cfg.model.num_experts, cfg.world_size, nodes)
+
+
+@functools.lru_cache(maxsize=8)
+def _node_plans(cfg: RoutingConfig, nodes: Nodes) -> list[NodePlan]:
+    return node_plans([_plan(cfg, "token", src) for src in range(cfg.world_size)], nodes)
+
+
+@functools.lru_cache(maxsize=8)
+def _node_pattern(cfg: RoutingConfig, nodes: Nodes) -> Pattern:
+    counts = [_node_counts(cfg, nodes, src) for src in range(cfg.world_size)]
+    return pattern_from_counts(cfg, "node", counts, nodes)
+
+
+def node_traffic(comm: Any, job: MoeJob, nodes: Nodes) -> tuple[Pattern, list[NodePlan]]:
+    """A node-mode job's Pattern (both stages' matrices) and every rank's NodePlan, from the same routings
+    (each stage laid out from token mode's plans: ``traffic.node_plan``)."""
+    for src in range(comm.world_size):
+        _plan(job.routing, "token", src)
+        _node_counts(job.routing, nodes, src)
+        comm.heartbeat()  # routing a large config takes a while: tell the watchdog this rank is alive
+    return _node_pattern(job.routing, nodes), _node_plans(job.routing, nodes)
+
+
 def clear_traffic_cache() -> None:
     """Forget the cached routings, counts, plans and patterns (the end of a run)."""
-    for cached in (_routing, _counts, _plan, _pattern):
+    for cached in (_routing, _counts, _plan, _pattern, _node_counts, _node_plans, _node_pattern):
         cached.cache_clear()

@@ -16,11 +16,19 @@ from typing import Any
 
 from commbench.run.clocks import ClockOffsets
 from commbench.run.steps import IterationSteps
+from commbench.traffic.nodes import STAGES
 
 OTHER_STEP = "other"
 # The steps that move the payload itself (the rest prepares or finishes it): "transfer time" beside the
 # API time (the whole phase), as Hybrid-EP and NCCL EP users compare them.
 TRANSFER_STEPS = ("payload transfer", "send-back", "put issue", "signal wait")
+
+
+def is_transfer(step: str) -> bool:
+    """Whether ``step`` moves the payload: one of TRANSFER_STEPS, also as a node-mode stage's step
+    ("scaleout payload transfer": ``run.nodes`` names each stage's steps after it)."""
+    stage, _, inner = step.partition(" ")
+    return step in TRANSFER_STEPS or (stage in STAGES and inner in TRANSFER_STEPS)
 
 
 @dataclass
@@ -52,7 +60,7 @@ class PhaseProfile:
                 for name, start, end in steps.steps:
                     spent[name] = spent.get(name, 0.0) + (end - start)
                 covered = sum(spent.values())
-                transfer = sum(value for name, value in spent.items() if name in TRANSFER_STEPS)
+                transfer = sum(value for name, value in spent.items() if is_transfer(name))
                 values = {**spent, OTHER_STEP: max(seconds - covered, 0.0), "phase": seconds}
                 values["transfer"] = transfer
                 rows += [

@@ -35,8 +35,11 @@ class MoeConfig:
     )
     send_mode: str = option(
         "token",
-        "token: one row per (token, destination rank), as DeepEP normal kernels; selection: one row per "
-        "(token, expert) selection, as per-expert all-to-all dispatchers.",
+        "token: one row per (token, destination rank); selection: one row per (token, expert) selection, as "
+        "per-expert all-to-all dispatchers; node: per-node (hierarchical) dispatch as DeepEP's internode "
+        "kernels, Hybrid-EP and UCCL-EP, in two stages: a token once to each other node holding its experts "
+        "(scale-out, to the rank of the same local index), then once to each rank of the node holding them "
+        "(NVLink); nodes = NVLink domains (--ranks-per-domain); nccl and gloo only.",
         kind="choice",
         choices=SEND_MODES,
         commands=MOE,

@@ -247,17 +247,36 @@ def expected_combine(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(reference, tolerance): float64 [num_tokens, hidden] each, for ``plan.rank``'s combine output;
     ``rtol``: the backend's (a library that reduces in bf16 declares 2^-7)."""
-    device = plan.send_token_index.device
-    reference = torch.zeros(plan.num_tokens, hidden, dtype=torch.float64, device=device)
+    index = plan.send_token_index
+    src = torch.full_like(index, plan.rank)
+    return combine_reference(
+        index, plan.num_tokens, src, index, plan.send_key, plan.combine_weight, hidden, rtol
+    )
+
+
+def combine_reference(
+    out_index: torch.Tensor,
+    num_out: int,
+    src: torch.Tensor,
+    token: torch.Tensor,
+    key: torch.Tensor,
+    weight: torch.Tensor,
+    hidden: int,
+    rtol: float = COMBINE_RTOL,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference, tolerance), float64 [num_out, hidden] each, of a reduction of rows: row r adds
+    ``weight[r] * expert_outputs(src[r], token[r], key[r])`` into output row ``out_index[r]``; tolerance
+    ``rtol * sum |w g| + COMBINE_ATOL`` (module docstring)."""
+    device = out_index.device
+    reference = torch.zeros(num_out, hidden, dtype=torch.float64, device=device)
     magnitude = torch.zeros_like(reference)
     chunk = max(1, _REFERENCE_CHUNK_ELEMENTS // max(hidden, 1))
-    for start in range(0, plan.num_send_rows, chunk):
+    for start in range(0, int(out_index.numel()), chunk):
         rows = slice(start, start + chunk)
-        tokens = plan.send_token_index[rows]
-        weighted = expert_outputs(plan.rank, tokens, plan.send_key[rows], hidden).to(torch.float64)
-        weighted.mul_(plan.combine_weight[rows].to(torch.float64).unsqueeze(1))
-        reference.index_add_(0, tokens, weighted)
-        magnitude.index_add_(0, tokens, weighted.abs_())
+        weighted = expert_outputs(src[rows], token[rows], key[rows], hidden).to(torch.float64)
+        weighted.mul_(weight[rows].to(torch.float64).unsqueeze(1))
+        reference.index_add_(0, out_index[rows], weighted)
+        magnitude.index_add_(0, out_index[rows], weighted.abs_())
     return reference, magnitude.mul_(rtol).add_(COMBINE_ATOL)
 
 

@@ -274,6 +274,29 @@ def test_layout_overrides_that_do_not_fit(tmp_path: Path, overrides: list[str], 
     )
 
 
+GLOO_NODE = ["run", "--world-size", "4", "--backend", "gloo", "--tokens", "16", "--send-mode", "node"]
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ([*RUN, "--send-mode", "node"], "--backend mock cannot"),
+        ([*RUN, "--send-mode", "node", "--backend", "sim"], "--backend sim cannot"),
+        ([*GLOO_NODE, "--imbalance-cost"], "drop --imbalance-cost"),
+        ([*GLOO_NODE, "--nccl-tests-matrix", "m.txt"], "--nccl-tests-matrix writes one all-to-all"),
+        (["pattern", "--world-size", "4", "--tokens", "16", "--send-mode", "node"], "--ranks-per-domain N"),
+        (
+            ["pattern", "--world-size", "4", "--tokens", "16", "--send-mode", "node", "--ranks-per-host", "2"]
+            + ["--nccl-tests-matrix", "m.txt"],
+            "--nccl-tests-matrix writes one all-to-all",
+        ),
+    ],
+)
+def test_node_send_mode_refusals(tmp_path: Path, args: list[str], fragment: str) -> None:
+    refused(tmp_path, args, fragment)
+    assert not (tmp_path / "m.txt").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # 4. Sizes that cannot fit: estimated before launch (one line naming the value, the estimate, the limit)
 

@@ -7,6 +7,7 @@ from commbench.errors import UsageError
 from commbench.fabric.ep_groups import expert_owner, grouped_pattern, simulate
 from commbench.fabric.model import make_fabric, predict_phase
 from commbench.inputs.skew import parse_skew
+from commbench.traffic.nodes import Nodes
 from commbench.traffic.pattern import build_pattern
 from commbench.traffic.routing import RoutingConfig
 
@@ -82,3 +83,58 @@ def test_simulate_rows_and_efficiency():
     combine16 = next(r for r in result.rows if r["ranks"] == 16 and r["phase"] == "combine")
     assert total16["time_us"] == pytest.approx(dispatch16["time_us"] + combine16["time_us"])
     assert any("spans 2 NVLink domains" in note for note in result.notes)
+
+
+def test_exact_node_mode_group_moves_what_a_node_mode_run_of_its_ranks_moves():
+    domains = make_fabric("hgx-h100", 16, ranks_per_domain=4).layout.domain_of_rank
+    kwargs = {"tokens_per_rank": 64, "skew": "zipf:1.2", "ep_size": 8, "exact": True}
+    pattern = grouped_pattern("qwen3-30b-a3b", 16, send_mode="node", domain_of_rank=domains, **kwargs)
+    token = grouped_pattern("qwen3-30b-a3b", 16, **kwargs)
+    assert np.array_equal(pattern.dispatch_selections, token.dispatch_selections)  # the same routing
+    row = pattern.model.dispatch_bytes_per_token
+    for group in range(2):
+        cfg = RoutingConfig(
+            pattern.model, parse_skew("zipf:1.2"), world_size=8, tokens_per_rank=64, seed=group
+        )
+        run = build_pattern(cfg, "node", Nodes.contiguous(8, 4))
+        for stage in ("scaleout", "nvlink"):
+            assert np.array_equal(pattern.stage_rows[stage][group] * row, run.stages["dispatch"][stage])
+        assert np.array_equal(pattern.dispatch_bytes[group], run.dispatch_bytes)
+        assert np.array_equal(pattern.combine_bytes[group], run.combine_bytes)
+    with pytest.raises(UsageError, match="NVLink domain"):
+        grouped_pattern("qwen3-30b-a3b", 16, send_mode="node", **kwargs)
+
+
+def test_sampled_node_mode_matches_the_exact_build_and_crosses_fewer_nic_bytes():
+    fabric = make_fabric("hgx-h100", 32, ranks_per_domain=8)
+    kwargs = {
+        "tokens_per_rank": 512,
+        "seed": 1,
+        "send_mode": "node",
+        "domain_of_rank": fabric.layout.domain_of_rank,
+    }
+    exact = grouped_pattern("deepseek-v3", 32, exact=True, **kwargs)
+    fast = grouped_pattern("deepseek-v3", 32, exact=False, **kwargs)
+    flat = grouped_pattern("deepseek-v3", 32, exact=True, tokens_per_rank=512, seed=1)
+    for stage in ("scaleout", "nvlink"):
+        assert fast.stage_rows[stage].sum() == pytest.approx(exact.stage_rows[stage].sum(), rel=0.02)
+    for phase in ("dispatch_bytes", "combine_bytes"):
+        t_fast = predict_phase(getattr(fast, phase), fabric).time_s
+        t_exact = predict_phase(getattr(exact, phase), fabric).time_s
+        assert t_fast == pytest.approx(t_exact, rel=0.03)
+        node, token = (
+            predict_phase(getattr(exact, phase), fabric),
+            predict_phase(getattr(flat, phase), fabric),
+        )
+        assert node.scaleout_bytes < token.scaleout_bytes and node.time_s < token.time_s
+
+
+def test_simulate_node_mode_uses_the_node_patterns_bytes():
+    args = {"spec": "hgx-h100", "tokens_per_rank": 256, "sample_tokens": 1024}
+    token = simulate("qwen3-30b-a3b", [16], **args)
+    node = simulate("qwen3-30b-a3b", [16], send_mode="node", **args)
+    flat, hier = (next(r for r in s.rows if r["phase"] == "dispatch") for s in (token, node))
+    assert (
+        hier["scaleout_bytes_per_gpu"] < flat["scaleout_bytes_per_gpu"] and hier["time_us"] < flat["time_us"]
+    )
+    assert "node mode" in node.notes[0]

@@ -82,3 +82,16 @@ def test_a_what_if_on_a_specs_racks_may_end_in_a_partial_one_but_a_given_size_mu
     assert layout.domain_sizes.tolist() == [72, 72, 72, 72, 12]
     with pytest.raises(UsageError, match="--ranks-per-domain 72 does not divide the 300 ranks"):
         build_layout(300, 72, 4)
+
+
+def test_ranks_per_host_alone_moves_the_domains_only_where_no_fabric_clique_is_reported():
+    # Without a clique a rank's NVLink domain is its host, so overridden hosts are overridden domains.
+    assert build_layout(4, ranks_per_host=2).domain_of_rank.tolist() == [0, 0, 1, 1]
+    one_box = [RankPlace(host="box") for _ in range(4)]
+    layout = build_layout(4, ranks_per_host=2, discovered=one_box)
+    assert layout.domain_of_rank.tolist() == [0, 0, 1, 1] and layout.num_hosts == 2
+    # An NVL72-style clique spans hosts: overriding the hosts keeps it.
+    cluster = "11111111-2222-3333-4444-555555555555"
+    rack = [RankPlace(host="a", fabric_cluster_uuid=cluster, fabric_clique_id=7) for _ in range(4)]
+    layout = build_layout(4, ranks_per_host=2, discovered=rack)
+    assert layout.domain_of_rank.tolist() == [0, 0, 0, 0] and layout.host_of_rank.tolist() == [0, 0, 1, 1]

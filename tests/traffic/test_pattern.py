@@ -84,7 +84,7 @@ def test_bf16_dispatch_bytes():
 
 
 def test_unknown_send_mode():
-    with pytest.raises(UsageError, match="send mode 'expert' not known; use token or selection"):
+    with pytest.raises(UsageError, match="send mode 'expert' not known; use token, selection or node"):
         build_pattern(config(world=2, tokens=8), "expert")
 
 

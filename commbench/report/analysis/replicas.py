@@ -194,5 +194,5 @@ def replicas_summary(cfg: RoutingConfig, send_mode: str, replicated: Pattern) ->
     """(text, JSON) of ``commbench pattern --replicas N``: ``replicated`` is ``cfg``'s pattern; the pattern
     without replicas is built here from the same routing."""
     placement = replica_placement(cfg)
-    without = build_pattern(replace(cfg, replicas=0), send_mode)
+    without = build_pattern(replace(cfg, replicas=0), send_mode, replicated.nodes)
     return describe_replicas(placement, without, replicated), replicas_json(placement, without, replicated)
