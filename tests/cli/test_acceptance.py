@@ -145,9 +145,13 @@ def test_report_rerenders_the_saved_verdict_and_never_rewrites_it(
     assert {name: (out / name).read_bytes() for name in before} == before  # never rewritten
     assert f"## Verdict: {status}" in (out / "summary.md").read_text()
     assert last_line_of(again).startswith(f"commbench verdict: {status}")
+    # No verdict.json and no INCOMPLETE mark: a run killed whole (nothing could write its end); the
+    # report says so and judges what is there now (tests/cli/test_stops.py covers the real kill).
     (out / "verdict.json").unlink()
     again = invoke(["report", out])
-    assert again.exit_code == 0 and "## Verdict: none" in (out / "summary.md").read_text()
+    assert again.exit_code == 0, again.output
+    assert "INCOMPLETE: the run ended without finishing its report" in (out / "summary.md").read_text()
+    assert read_verdict_json(out / "verdict.json").status in ("INCOMPLETE", "FAIL", "WARN")
 
 
 def test_report_of_a_stopped_run_says_incomplete(tmp_path: Path) -> None:
