@@ -196,13 +196,20 @@ class _PairExchange:
             return works[: len(ops.receive_ops)], works[len(ops.receive_ops) :], None
         receive_works = dist.batch_isend_irecv(ops.receive_ops) if ops.receive_ops else []
         send_works: list[Any] = []
+        errors: list[BaseException] = []
 
         def send_late() -> None:
-            for _ in range(ops.sends):
-                time.sleep(self.delay_s)
-                send_works.append(dist.isend(self.buffers.send, self.peer, self.comm.group))
+            # A failure here (the group torn down by a stop or a dead peer) is the main thread's to report,
+            # as one line under its guard, never a thread's traceback.
+            try:
+                for _ in range(ops.sends):
+                    time.sleep(self.delay_s)
+                    send_works.append(dist.isend(self.buffers.send, self.peer, self.comm.group))
+            except BaseException as error:  # noqa: BLE001 - handed to the main thread
+                errors.append(error)
 
         thread = threading.Thread(target=send_late, name="commbench-inject-delay", daemon=True)
+        thread.errors = errors  # type: ignore[attr-defined]
         thread.start()
         return receive_works, send_works, thread
 
@@ -278,6 +285,8 @@ def _timed_messages(
         timer.stop(lambda: synchronize_device(comm.device))
         if thread is not None:
             thread.join()
+            if thread.errors:
+                raise thread.errors[0]
         for work in send_works:
             work.wait()
     comm.heartbeat()
