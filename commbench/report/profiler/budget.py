@@ -135,6 +135,7 @@ def moe_budget(
     if moe.empty:
         return None
     chosen = [models] if isinstance(models, ModelConfig) else list(models)
+    fabric = fabric_rows(moe)  # once: it looks up every registered backend's class
     labelled: list[tuple[str, Budget]] = []
     verdicts: list[str] = []
     cpu_labels: list[str] = []
@@ -157,7 +158,7 @@ def moe_budget(
             comm = float(phases["dispatch"] + phases["combine"])
             budget = make_budget(model, selections, comm, tflops, spec)
             labelled.append((label, budget))
-            if fabric_rows(case).all():
+            if fabric.loc[case.index].all():
                 verdicts.append(budget.verdict())
             else:
                 cpu_labels.append(
@@ -170,7 +171,7 @@ def moe_budget(
                 )
     verdicts += skipped
     notes = budget_notes([budget for _, budget in labelled])
-    if not fabric_rows(moe).all():
+    if not fabric.all():
         notes.append("CPU or emulated rows: the all-to-all time is this host's, not a GPU fabric's")
     table = [budget_table(labelled, "case", cpu_labels)] if labelled else []
     return Section(BUDGET_TITLE, (*table, Bullets(verdicts + notes)))
