@@ -20,6 +20,8 @@ from commbench.report.knobs import KNOB_SETTING_COLUMN
 from commbench.report.pages.tables import fmt_size, fmt_text
 from commbench.run.case import group_by_case
 
+_LOG_SPAN = 20.0  # largest/smallest value beyond which the per-GPU bar chart goes log
+
 
 def _balanced_rows(frame: pd.DataFrame) -> pd.DataFrame:
     """The balanced all-to-all rows with a finite busbw (nccl-tests' mean time)."""
@@ -108,7 +110,23 @@ def per_gpu_figure(frame: pd.DataFrame, spec: SystemSpec) -> Any:
         )
     if has_figures(spec):  # a CPU run has no spec line to draw
         axes.axhline(spec.nvlink_GBps_per_direction, color="red", linestyle="--", label=f"spec {spec.name}")
-    axes.set_yscale("log")
+    # A bar's length reads as its value only on a linear axis from 0: log only when the bars and the spec
+    # line span more than _LOG_SPAN (a CPU run next to a 900 GB/s spec), and then each bar carries its value.
+    shown = np.append(values, spec.nvlink_GBps_per_direction) if has_figures(spec) else values
+    positive = shown[shown > 0]
+    if positive.size and positive.max() / positive.min() > _LOG_SPAN:
+        axes.set_yscale("log")
+    else:
+        axes.set_ylim(bottom=0)
+    if not has_figures(spec):  # no % label: the value itself
+        for bar, value in zip(bars, values, strict=True):
+            axes.annotate(
+                f"{value:.3g}",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize="x-small",
+            )
     axes.set_xticks(positions, [_case_label(r) for r in records], fontsize="x-small")
     axes.set_ylabel("per-GPU GB/s, one direction")
     title = "Achieved per-GPU bandwidth (busbw; balanced: mean time, MoE: p50)"
