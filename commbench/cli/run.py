@@ -21,7 +21,8 @@ from commbench.cli.inputs import (
 from commbench.cli.launch import launch
 from commbench.cli.options import config_from, config_options
 from commbench.errors import UsageError
-from commbench.run.config import DECODE_SEND_MODE, DECODE_TOKENS, MoeConfig, RunConfig
+from commbench.run.config import MoeConfig, RunConfig
+from commbench.run.workload import DECODE_SEND_MODE, DECODE_TOKENS
 
 # The default suite, sized so that 4 gloo ranks on 2 CPU cores finish it in a few minutes.
 SUITE_MODEL = "deepseek-v3"

@@ -27,8 +27,10 @@ from commbench.plain import knobs_text
 CONVENTIONS = """\
 Conventions
 - Bytes are payload only: token rows, FP8 scales included; routing metadata and the counts exchange are not
-  counted (the counts exchange is inside the timed dispatch). Dispatch rows are FP8 (hidden bytes + one fp32
-  scale per scale block) or BF16 (2 x hidden bytes); combine rows are BF16 (2 x hidden bytes).
+  counted (the counts exchange is inside the timed dispatch: the backend's collective, or on nvshmem with
+  counts=device NVSHMEM puts into the peers' count slots and the layout computed on the GPU, no host sync;
+  the rows' knobs say which). Dispatch rows are FP8 (hidden bytes + one fp32 scale per scale block) or
+  BF16 (2 x hidden bytes); combine rows are BF16 (2 x hidden bytes).
 - send_mode=token (DeepEP's intranode normal kernels): a token is sent once to each destination rank that
   holds at least one of its selected experts (de-duplicated per destination rank). send_mode=selection: one
   row per (token, expert) selection. send_mode=node (per-node dispatch, as DeepEP's internode kernels,
