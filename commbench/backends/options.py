@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from commbench.backends.shmem.protocol import GRANULARITIES, SIGNAL_OPS
+from commbench.backends.shmem.protocol import COUNTS, GRANULARITIES, SIGNAL_OPS
 from commbench.errors import UsageError
 from commbench.inputs.userfiles import clip, describe_keys, shorten
 
@@ -247,4 +247,23 @@ def put_signal_options(default_chunk_bytes: int) -> tuple[BackendOption, ...]:
         ),
         BackendOption("signal", str, "chunk", "one signal per chunk or per segment", choices=GRANULARITIES),
         BackendOption("signal_op", str, "add", "signal words are added to or set", choices=tuple(SIGNAL_OPS)),
+        BackendOption(
+            "counts",
+            str,
+            "host",
+            "host: counts all-gathered, layout on the host; device: counts put to the peers, layout on the "
+            "device (no host sync; ADD signals)",
+            choices=COUNTS,
+        ),
     )
+
+
+def checked_put_signal(backend: str, settings: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``settings`` of the put/signal knobs, or UsageError for a combination the protocol has not: counts
+    on the device keep one running total per source on the device, which only ADD signals give."""
+    if settings.get("counts") == "device" and settings.get("signal_op") == "set":
+        raise UsageError(
+            f"backend {backend} option counts=device keeps the signal totals on the device, which needs "
+            "signal_op=add; drop signal_op=set or use counts=host"
+        )
+    return settings
