@@ -167,6 +167,15 @@ class DeclaredOptions:
         return checked_options(cls.name, cls.OPTIONS, options)
 
 
+class PutSignalOptions(DeclaredOptions):
+    """``DeclaredOptions`` of a one-sided backend with the put/signal knobs (``put_signal_options``): their
+    combinations checked too (``checked_put_signal``)."""
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], world_size: int | None = None) -> dict[str, Any]:
+        return dict(checked_put_signal(cls.name, super().check_options(options)))
+
+
 @dataclass(frozen=True)
 class OptionSweep:
     """``--backend-option`` values: keys with one value are ``fixed``, keys with several are ``swept``

@@ -41,7 +41,6 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, ClassVar
 
@@ -50,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from commbench.backends.base import CombineReduction
-from commbench.backends.options import BackendOption, DeclaredOptions, checked_put_signal, put_signal_options
+from commbench.backends.options import BackendOption, PutSignalOptions, put_signal_options
 from commbench.backends.shmem import protocol as proto
 from commbench.errors import CommError, UsageError
 from commbench.run.interface import Backend, ExchangeShape
@@ -139,16 +138,12 @@ class SharedHeap:
             self._map.close()
 
 
-class ShmemEmuBackend(DeclaredOptions, Backend):
+class ShmemEmuBackend(PutSignalOptions, Backend):
     name = "shmem-emu"
     emulated = True
     one_sided = True  # nvshmem's heap layout: each receive buffer has two sides
 
     OPTIONS: ClassVar[tuple[BackendOption, ...]] = put_signal_options(default_chunk_bytes=64 * 1024)
-
-    @classmethod
-    def check_options(cls, options: Mapping[str, Any], world_size: int | None = None) -> dict[str, Any]:
-        return dict(checked_put_signal(cls.name, super().check_options(options)))
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         super().__init__(comm, options)
