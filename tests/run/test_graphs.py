@@ -26,7 +26,7 @@ leaves the poison, which the check finds.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,59 +47,9 @@ from commbench.run import graphs
 from commbench.run.config import InjectedDelay, RunConfig, RunOptions
 from commbench.run.jobs import BalancedJob, MoeJob
 from commbench.traffic.routing import RoutingConfig
+from tests.run.capture import CAPTURE_ERROR, CaptureUnsupported, FakeGraphs, capture_guard
 
-CAPTURE_ERROR = "operation not permitted when stream is capturing"
 SMALL = ModelConfig(name="small", hidden=48, num_experts=8, topk=2, dispatch_dtype="bf16")
-
-
-class CaptureUnsupported(RuntimeError):
-    """cudaErrorStreamCaptureUnsupported, as a real capture raises it."""
-
-
-@contextlib.contextmanager
-def capture_guard() -> Iterator[None]:
-    """Inside: every host synchronisation and host-to-device copy the module docstring lists raises."""
-
-    def refuse(what: str) -> Callable[..., Any]:
-        def refused(*args: Any, **kwargs: Any) -> Any:
-            raise CaptureUnsupported(f"{CAPTURE_ERROR} ({what})")
-
-        return refused
-
-    patches = [(torch.Tensor, name) for name in ("item", "tolist", "cpu", "numpy", "__bool__", "nonzero")]
-    patches += [(torch, name) for name in ("nonzero", "tensor", "from_numpy", "as_tensor")]
-    patches += [(torch.cuda, "synchronize")]
-    saved = [(owner, name, getattr(owner, name)) for owner, name in patches]
-    try:
-        for owner, name in patches:
-            setattr(owner, name, refuse(name))
-        yield
-    finally:
-        for owner, name, value in saved:
-            setattr(owner, name, value)
-
-
-class FakeGraphs:
-    """``run.graphs.GraphCapture`` with the capture rules enforced (module docstring); ``replays=False``:
-    a replay that moves nothing (the poison must catch it)."""
-
-    def __init__(self, replays: bool = True) -> None:
-        self.replays = replays
-
-    def capture(self, call: Callable[[], Any], calls: int) -> tuple[Callable[[], None], Any]:
-        call()  # the side-stream warm-up, outside the capture
-        with capture_guard():
-            output = None
-            for _ in range(calls):
-                output = call()
-
-        def replay() -> None:
-            if self.replays:
-                with capture_guard():
-                    for _ in range(calls):
-                        call()
-
-        return replay, output
 
 
 # ---------------------------------------------------------------------------------------------------------
