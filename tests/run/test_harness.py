@@ -409,3 +409,23 @@ def test_nccl_moe_and_balanced_verified_on_gpus():
     assert all(r["in_place_time_us_mean"] > 0 for r in rows if r["phase"] == "alltoall")
     for job in jobs[:2]:
         check_against_pattern(rows, rank_rows, job, world)
+
+
+def _nccl_entry(comm, jobs):
+    """``jobs`` on NcclBackend itself (MovedBytes reads counts on the host: not capturable)."""
+    from commbench.backends.torchdist import NcclBackend
+
+    return run_jobs(comm, jobs, RunOptions("nccl"), NcclBackend)[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
+def test_nccl_balanced_cuda_graph_verified_on_gpus():
+    """--cuda-graph on NCCL: the balanced sweep captured by torch.cuda.graph (ProcessGroupNCCL's
+    collectives under capture), replayed, the last replay verified; the in-place run too."""
+    world = min(2, torch.cuda.device_count())
+    job = BalancedJob("balanced", [1 << 10, 1 << 22], warmup=2, iters=5, timing="graph", graph_calls=4)
+    rows = launch(world, _nccl_entry, ([job],), process_group="nccl", timeout_s=120)
+    assert [(r["timing"], r["graph_calls"], r["check"], r["wrong"]) for r in rows] == [
+        ("graph", 4, "window-last", 0)
+    ] * 2
+    assert all(r["in_place_time_us_mean"] > 0 for r in rows)

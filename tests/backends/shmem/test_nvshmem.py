@@ -90,7 +90,7 @@ def test_cli_refuses_old_torch_before_launch_exit_2(monkeypatch) -> None:
 # GPU: one PE putting to itself (the lent H200 runs these; benchmarks/gpu_check.sh covers more).
 
 
-def _one_pe_entry(comm, options: dict, send_mode: str) -> list[dict]:
+def _one_pe_entry(comm, options: dict, send_mode: str, graph_calls: int = 0) -> list[dict]:
     from commbench.backends.shmem.nvshmem import NvshmemBackend
     from commbench.inputs.models import ModelConfig
     from commbench.inputs.skew import parse_skew
@@ -102,7 +102,8 @@ def _one_pe_entry(comm, options: dict, send_mode: str) -> list[dict]:
     # 16 experts: torch's all_to_all_vdev_2d (variant=vdev2d) takes at most 16 per rank.
     model = ModelConfig(name="small", hidden=1024, num_experts=16, topk=4, dispatch_dtype="fp8")
     cfg = RoutingConfig(model=model, skew=parse_skew("zipf:1.2"), world_size=1, tokens_per_rank=512, seed=2)
-    job = MoeJob(name="small", routing=cfg, send_mode=send_mode, warmup=2, iters=3)
+    timing = "graph" if graph_calls else "iteration"
+    job = MoeJob("small", cfg, send_mode, warmup=2, iters=3, timing=timing, graph_calls=graph_calls)
     rows, _ = run_jobs(comm, [job], RunOptions("nvshmem", options, timeout_s=30.0), NvshmemBackend)
     return rows
 
@@ -124,6 +125,8 @@ def test_gpu_machine_passes_the_torch_gate_and_finds_the_device_bitcode() -> Non
         ({"signal": "segment", "signal_op": "set", "wait": "nvshmem"}, "selection"),
         ({"chunk_rows": 3, "num_blocks": 4, "put": "blocking"}, "token"),
         ({"variant": "vdev2d"}, "selection"),
+        ({"counts": "device"}, "token"),
+        ({"counts": "device", "chunk_rows": 3}, "selection"),
     ],
 )
 def test_one_pe_dispatch_and_combine_verified(options: dict, send_mode: str) -> None:
@@ -594,3 +597,19 @@ def test_host_side_counts_on_the_host_cannot_be_captured(monkeypatch) -> None:
     backend.setup(plan)
     with capture_guard(), pytest.raises(CaptureUnsupported):
         backend.exchange_counts(plan.send_counts)
+
+
+@gpu_only
+@pytest.mark.parametrize("send_mode", ["token", "selection"])
+def test_one_pe_cuda_graph_of_device_counts_verified(send_mode: str) -> None:
+    """--cuda-graph on a real GPU: counts=device's exchange, dispatch and combine captured by
+    torch.cuda.graph (torch's own capture checks, not the fake's), replayed, the last replay verified."""
+    from commbench.run import dist
+
+    options = {"counts": "device"}
+    rows = dist.launch(1, _one_pe_entry, (options, send_mode, 4), process_group="nccl", timeout_s=120.0)
+    assert [(r["phase"], r["timing"], r["graph_calls"], r["wrong"]) for r in rows] == [
+        ("dispatch", "graph", 4, 0),
+        ("combine", "graph", 4, 0),
+    ]
+    assert all(r["counts"] == "device" and r["time_us_min"] > 0 for r in rows)
