@@ -35,7 +35,7 @@ RESULT_KEYS = {
     "expert_max_mean", "maxvio", "expert_cv", "num_domains", "ranks_per_domain", "layout_source",
     "nvlink_bytes", "scaleout_bytes", "nvlink_bottleneck_rank", "nvlink_bottleneck_dir",
     "nvlink_bottleneck_bytes", "scaleout_bottleneck_rank", "scaleout_bottleneck_dir",
-    "scaleout_bottleneck_bytes", "knobs", "check", "timing", "repeat", "model_digest",
+    "scaleout_bottleneck_bytes", "knobs", "check", "timing", "graph_calls", "repeat", "model_digest",
 }  # fmt: skip
 IMBALANCE_KEYS = {"uniform_ref_size_bytes", "uniform_ref_total_bytes", "uniform_ref_time_us_p50"}
 BYTE_KEYS = (
