@@ -339,3 +339,26 @@ def test_moe_phases_with_host_counts_cannot_be_captured(graph_launch: dict[str, 
 def test_the_emulator_runs_the_device_count_protocol_verified(graph_launch: dict[str, Any]) -> None:
     for mode in ("token", "selection"):
         assert graph_launch[f"emu_{mode}"] == [("dispatch", 0, "device"), ("combine", 0, "device")]
+
+
+def test_reports_say_cuda_graph_of_n_calls() -> None:
+    import pandas as pd
+
+    from commbench.report.pages.console import sweep_config
+    from commbench.report.pages.modes import timing_how, timing_text
+
+    frame = pd.DataFrame(
+        {
+            "timing": ["graph", "iteration"],
+            "graph_calls": [10, None],
+            "size_bytes": [1024, 2048],
+            "iters": [5, 5],
+        }
+    )
+    text = timing_text(frame)
+    assert text is not None and text.startswith("graph (CUDA graph of 10 calls: --cuda-graph")
+    assert "window / (replays x calls per graph)" in text and "; iteration (" in text
+    assert timing_how(frame, "graph").startswith("CUDA graph of 10 calls")
+    # nccl-tests' JSON: graph = launches of the graph (the replays), 0 without --cuda-graph.
+    assert sweep_config(frame, {"config": {"timing": {"cuda_graph": 10, "iters": 5}}})["graph"] == 5
+    assert sweep_config(frame, {"config": {"timing": {"iters": 5}}})["graph"] == 0
