@@ -18,7 +18,9 @@ even when an earlier one failed:
    setting the CLI runs below use (default, ``wait=nvshmem``, ``signal_op=set``: each a Triton
    specialization), so those runs load them from Triton's cache and a build failure shows once, here;
 6. ``commbench run`` on NVSHMEM puts: default knobs, ``--backend-option wait=nvshmem``, ``signal_op=set``,
-   ``--cuda-graph`` (only when ``commbench run --help`` lists it: else SKIP with that note), and the torch
+   ``--backend-option counts=device --cuda-graph 10`` (dispatch and combine, the counts exchange included,
+   captured into a CUDA graph of 10 calls and replayed; only when ``commbench run --help`` lists
+   ``--cuda-graph``: else SKIP with that note), and the torch
    ``all_to_all_vdev_2d`` reference variant on mixtral-8x22b in selection mode (torch's kernels take at
    most 16 experts per rank; deepseek-v3 has 256 at world 1). A set-up compile that timed out skips them
    (they would hang the same way); one that failed leaves them to record their own errors, on shorter
@@ -613,7 +615,9 @@ GRAPH, VDEV, LOOP = "nvshmem --cuda-graph", "nvshmem vdev2d world 1", "loopback 
 TABLE_STEPS = (ENV, NVML, COPY, NCCL, SUITE, COMPILE, NVSHMEM, WAIT, SET, GRAPH, VDEV)
 RUN_STEPS = (NCCL, NVSHMEM, WAIT, SET, GRAPH, VDEV)  # commbench run at world size 1
 NVML_FILE = "nvml.json"
-CUDA_GRAPH = ("--cuda-graph", "10")  # the option another change adds: iterations per captured graph
+CUDA_GRAPH = ("--cuda-graph", "10")  # calls per captured CUDA graph (commbench.run.graphs; an even N)
+# NVSHMEM's calls can be captured only with the counts exchanged and laid out on the device.
+GRAPH_OPTIONS = ("--backend-option", "counts=device")
 # The knob settings the set-up compile builds (each a Triton specialization of the put / wait kernels: the
 # wait mode and the signal op are constexprs) before the CLI runs of the same settings use them.
 COMPILE_CONFIGS: tuple[dict[str, Any], ...] = ({}, {"wait": "nvshmem"}, {"signal_op": "set"})
@@ -832,7 +836,7 @@ def run_steps(check: Check, args: argparse.Namespace) -> None:
     nvshmem_step(NVSHMEM, "nvshmem", nvshmem)
     nvshmem_step(WAIT, "nvshmem_wait", [*nvshmem, "--backend-option", "wait=nvshmem"])
     nvshmem_step(SET, "nvshmem_set", [*nvshmem, "--backend-option", "signal_op=set"])
-    graph = [*nvshmem, *CUDA_GRAPH]
+    graph = [*nvshmem, *GRAPH_OPTIONS, *CUDA_GRAPH]
     nvshmem_step(GRAPH, "nvshmem_graph", graph, lambda: listed_option("run", CUDA_GRAPH[0]))
     if not args.quick:
         # all_to_all_vdev_2d takes <= 16 experts per rank: mixtral-8x22b (8 experts) in selection mode.

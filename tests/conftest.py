@@ -67,3 +67,15 @@ def moe_run(tmp_path_factory: pytest.TempPathFactory) -> Launch:
     args += ["--spec", "gb200-nvl72", "--ranks-per-domain", "1", "--imbalance-cost"]
     args += ["--nccl-tests-matrix", str(root / "moe.txt")]
     return launch(args, root, codes=(0, 1))
+
+
+@pytest.fixture(scope="session")
+def decode_run(tmp_path_factory: pytest.TempPathFactory) -> Launch:
+    """The decode case (``run --decode``: 128 tokens per rank, selection mode) of the small model on 2 gloo
+    ranks; gloo cannot be captured, so it is timed per iteration. Exit 1 allowed: a busy host's
+    straggler may be flagged."""
+    root = tmp_path_factory.mktemp("decode")
+    (root / "small.yaml").write_text(SMALL_MODEL)
+    args = ["run", "--model", str(root / "small.yaml"), "--decode", "--backend", "gloo", "--world-size", "2"]
+    args += ["--warmup", "1", "--iters", "3"]
+    return launch(args, root, codes=(0, 1))

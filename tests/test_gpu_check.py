@@ -254,6 +254,8 @@ def test_a_listed_cuda_graph_option_runs_its_step(gpu_check, tmp_path, monkeypat
     _, steps = run_all(gpu_check, tmp_path, quick=True)
     assert steps[gpu_check.GRAPH]["status"] == "ok"
     assert stubs.commands["nvshmem_graph"][-2:] == list(gpu_check.CUDA_GRAPH)
+    # A command the CLI accepts: nvshmem is captured only with counts on the device.
+    assert stubs.commands["nvshmem_graph"][-4:-2] == ["--backend-option", "counts=device"]
     assert gpu_check.VDEV not in steps  # --quick
 
 

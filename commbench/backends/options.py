@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from commbench.backends.shmem.protocol import GRANULARITIES, SIGNAL_OPS
+from commbench.backends.shmem.protocol import COUNTS, GRANULARITIES, SIGNAL_OPS
 from commbench.errors import UsageError
 from commbench.inputs.userfiles import clip, describe_keys, shorten
 
@@ -167,6 +167,15 @@ class DeclaredOptions:
         return checked_options(cls.name, cls.OPTIONS, options)
 
 
+class PutSignalOptions(DeclaredOptions):
+    """``DeclaredOptions`` of a one-sided backend with the put/signal knobs (``put_signal_options``): their
+    combinations checked too (``checked_put_signal``)."""
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any], world_size: int | None = None) -> dict[str, Any]:
+        return dict(checked_put_signal(cls.name, super().check_options(options)))
+
+
 @dataclass(frozen=True)
 class OptionSweep:
     """``--backend-option`` values: keys with one value are ``fixed``, keys with several are ``swept``
@@ -247,4 +256,23 @@ def put_signal_options(default_chunk_bytes: int) -> tuple[BackendOption, ...]:
         ),
         BackendOption("signal", str, "chunk", "one signal per chunk or per segment", choices=GRANULARITIES),
         BackendOption("signal_op", str, "add", "signal words are added to or set", choices=tuple(SIGNAL_OPS)),
+        BackendOption(
+            "counts",
+            str,
+            "host",
+            "host: counts all-gathered, layout on the host; device: counts put to the peers, layout on the "
+            "device (no host sync; ADD signals)",
+            choices=COUNTS,
+        ),
     )
+
+
+def checked_put_signal(backend: str, settings: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``settings`` of the put/signal knobs, or UsageError for a combination the protocol has not: counts
+    on the device keep one running total per source on the device, which only ADD signals give."""
+    if settings.get("counts") == "device" and settings.get("signal_op") == "set":
+        raise UsageError(
+            f"backend {backend} option counts=device keeps the signal totals on the device, which needs "
+            "signal_op=add; drop signal_op=set or use counts=host"
+        )
+    return settings

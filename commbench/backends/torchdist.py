@@ -12,6 +12,7 @@ unchanged (neither refuses it; neither orders a row's send before its overwrite,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -150,6 +151,21 @@ class NcclBackend(TorchDistBackend):
     process_group = "nccl"
     gpu_fabric = True
     kernel_patterns = NCCL_KERNELS
+    captures_graphs = True  # ProcessGroupNCCL's collectives on the current stream, captured by torch
+
+    @classmethod
+    def graph_refusal(cls, job_kind: str, options: Mapping[str, Any], calls: int) -> str:
+        """The MoE phases cannot be captured: ``all_to_all_single`` takes its split sizes as host integers
+        (ProcessGroupNCCL's alltoall_base: std::vector<int64_t>), so every call reads the exchanged counts on
+        the host (``.tolist()``, a device-to-host sync, refused inside a capture). The balanced sweep and
+        the kineto calls have their splits fixed at set-up: captured whole."""
+        if job_kind == "moe":
+            return (
+                "the MoE phases read their exchanged counts on the host (all_to_all_single takes host split "
+                "sizes), which a CUDA graph cannot capture; use --pattern balanced or kineto, or --backend "
+                "nvshmem --backend-option counts=device"
+            )
+        return ""
 
 
 class GlooBackend(TorchDistBackend):

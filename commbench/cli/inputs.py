@@ -13,6 +13,7 @@ import click
 
 from commbench.errors import UsageError
 from commbench.run.config import MoeConfig, RunConfig
+from commbench.run.workload import DECODE
 
 if TYPE_CHECKING:
     from commbench.run.jobs import Job
@@ -121,13 +122,18 @@ def balanced_sizes(min_bytes: int, max_bytes: int, step_factor: float, world_siz
     return sizes
 
 
-def moe_job(cfg: RoutingConfig, send_mode: str, config: RunConfig) -> Job:
-    """An MoE case: dispatch and combine of ``cfg``'s routing, timed as the config says."""
+def moe_job(cfg: RoutingConfig, send_mode: str, config: RunConfig, decode: bool = False) -> Job:
+    """An MoE case: dispatch and combine of ``cfg``'s routing, timed as the config says. ``decode``: the
+    decode case (its pattern "<model> decode"; graph-timed where the backend can capture it, cli.launch)."""
     from commbench.run.jobs import MoeJob
 
     timing = config.timing.job_timing(config.harness.check, MoeJob.timing)
     warmup, iters = int(config.timing.warmup or 0), int(config.timing.iters or 1)
-    return MoeJob(cfg.model.name, cfg, send_mode, warmup=warmup, iters=iters, timing=timing)
+    name = f"{cfg.model.name} {DECODE}" if decode else cfg.model.name
+    graph = config.timing.cuda_graph or 0
+    return MoeJob(
+        name, cfg, send_mode, warmup=warmup, iters=iters, timing=timing, graph_calls=graph, decode=decode
+    )
 
 
 def balanced_job(sizes: list[int], config: RunConfig) -> Job:
@@ -136,7 +142,8 @@ def balanced_job(sizes: list[int], config: RunConfig) -> Job:
 
     timing = config.timing.job_timing(config.harness.check, BalancedJob.timing)
     warmup, iters = int(config.timing.warmup or 0), int(config.timing.iters or 1)
-    return BalancedJob("balanced", sizes, warmup=warmup, iters=iters, timing=timing)
+    graph = config.timing.cuda_graph or 0
+    return BalancedJob("balanced", sizes, warmup=warmup, iters=iters, timing=timing, graph_calls=graph)
 
 
 def repeated(jobs: list[Job], repeats: int) -> list[Job]:

@@ -68,6 +68,7 @@ def launch(config: RunConfig, jobs: list[Job], plan: dict[str, Any], pairwise: b
 
     world = config.world_size
     backend, reason, sweep = _choose_backend(config, len(jobs))
+    jobs = _graph_jobs(config, jobs, get_backend(backend), sweep)
     system, spec_how, judged = choose_report_spec(config.acceptance.spec, backend)
     # Limits and baseline read and checked once, here: one line, exit 2, before anything starts.
     acceptance = Acceptance.load(config.acceptance, system if judged else None, spec_how, judged)
@@ -129,6 +130,22 @@ def launch(config: RunConfig, jobs: list[Job], plan: dict[str, Any], pairwise: b
         code = verdict_last(out_dir, None)
         if code:
             raise click.exceptions.Exit(code)
+
+
+def _graph_jobs(config: RunConfig, jobs: list[Job], backend_class: Any, sweep: OptionSweep) -> list[Job]:
+    """The jobs with the decode case graph-timed where the backend can capture it (``run.graphs``); a
+    --cuda-graph job the backend cannot capture with some knob setting is refused (one line, exit 2)."""
+    from commbench.run.graph_rules import graph_conflict
+    from commbench.run.graphs import graph_refusal, with_graphs
+
+    settings = [{**sweep.fixed, **setting} for setting in sweep.settings()]
+    timing = config.timing
+    allowed = timing.timing is None and not graph_conflict(config, config.harness, timing)
+    jobs = with_graphs(jobs, backend_class, settings, allowed)
+    refusal = graph_refusal(backend_class, jobs, settings)
+    if refusal:
+        raise UsageError(refusal)
+    return jobs
 
 
 def _choose_backend(config: RunConfig, cases: int) -> tuple[str, str, OptionSweep]:

@@ -22,6 +22,7 @@ from commbench.cli.launch import launch
 from commbench.cli.options import config_from, config_options
 from commbench.errors import UsageError
 from commbench.run.config import MoeConfig, RunConfig
+from commbench.run.workload import DECODE_SEND_MODE, DECODE_TOKENS
 
 # The default suite, sized so that 4 gloo ranks on 2 CPU cores finish it in a few minutes.
 SUITE_MODEL = "deepseek-v3"
@@ -60,8 +61,10 @@ def run_pattern(config: RunConfig) -> None:
         jobs = [job]
     else:
         routing = build_routing_config(config.moe, world, dry_run=False)
-        jobs = [moe_job(case, config.moe.send_mode, config) for case in replica_cases(routing)]
+        decode = config.moe.decode
+        jobs = [moe_job(case, config.moe.send_mode, config, decode) for case in replica_cases(routing)]
         plan["models"] = [config.moe.model]
+        plan["decode"] = decode
     if kind != "moe" and config.harness.imbalance_cost:
         raise UsageError(
             f"--imbalance-cost compares MoE cases with a uniform layout; --pattern {kind} has none"
@@ -99,7 +102,8 @@ def _kineto_job(config: RunConfig) -> tuple[Any, dict[str, Any]]:
     calls = [MatrixCall(call.name, call.matrix) for call in trace.calls]
     timing = config.timing.job_timing(config.harness.check, MatrixJob.timing)
     warmup, iters = int(config.timing.warmup or 0), int(config.timing.iters or 1)
-    job = MatrixJob("kineto", calls, warmup=warmup, iters=iters, timing=timing)
+    graph = config.timing.cuda_graph or 0
+    job = MatrixJob("kineto", calls, warmup=warmup, iters=iters, timing=timing, graph_calls=graph)
     job.check(world)
     # Memory: each call sized as a balanced all-to-all of its busiest rank's bytes (cli.resources).
     busiest = [max(int(c.matrix.sum(0).max()), int(c.matrix.sum(1).max()), world) for c in calls]
@@ -130,6 +134,11 @@ def run_suite(config: RunConfig) -> None:
             moe = MoeConfig(model, skew, tokens, seed=config.moe.seed, replicas=config.moe.replicas)
             routing = build_routing_config(moe, world, dry_run=False)
             cases += [moe_job(case, "token", config) for case in replica_cases(routing)]  # --replicas: 2
+        # The model's decode case: DECODE_TOKENS tokens per rank, a message per selection, uniform routing
+        # (a graph where the backend can capture it: cli.launch).
+        moe = MoeConfig(model, "uniform", DECODE_TOKENS, seed=config.moe.seed, replicas=config.moe.replicas)
+        routing = build_routing_config(moe, world, dry_run=False)
+        cases += [moe_job(case, DECODE_SEND_MODE, config, decode=True) for case in replica_cases(routing)]
     # Round after round: each repeat of a case is apart in time from its others, as separate runs would be.
     rounds = max(repeat or 1, moe_repeat)
     jobs = [
@@ -143,6 +152,7 @@ def run_suite(config: RunConfig) -> None:
         "models": list(models),
         "skews": list(skews),
         "tokens": tokens,
+        "decode_tokens": DECODE_TOKENS,
         "min_bytes": sizes[0],
         "max_bytes": max_bytes,
         "step_factor": step,
@@ -181,7 +191,9 @@ def suite(**params: Any) -> None:
     1. balanced all-to-all sweep, 1 KiB .. 16 MiB each rank sends, x2 per step (nccl-tests -b 1K -e 16M -f 2);
     2. deepseek-v3 dispatch + combine (FP8 dispatch, BF16 combine, token mode) at skews
        uniform, zipf:1.2 and hot:8:0.3, 512 tokens per rank, 3 repeats each;
-    3. the pairwise link test: every ordered pair of ranks, one way and both ways (--no-pairwise skips it).
+    3. the decode case of each model: 128 tokens per rank, a message per selection (selection mode),
+       uniform, its latency in us; a CUDA graph where the backend can capture it (see --cuda-graph);
+    4. the pairwise link test: every ordered pair of ranks, one way and both ways (--no-pairwise skips it).
     Sized for 4 gloo ranks on 2 CPU cores to take a few minutes; on GPUs raise --tokens (e.g. 4096) and
     --max-bytes (e.g. 1G). Exit code: 0 PASS or WARN, 1 FAIL, 2 could not run, 3 wrong data, 4 a rank died
     or timed out.

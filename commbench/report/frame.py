@@ -27,8 +27,10 @@ from commbench.plain import knobs_text
 CONVENTIONS = """\
 Conventions
 - Bytes are payload only: token rows, FP8 scales included; routing metadata and the counts exchange are not
-  counted (the counts exchange is inside the timed dispatch). Dispatch rows are FP8 (hidden bytes + one fp32
-  scale per scale block) or BF16 (2 x hidden bytes); combine rows are BF16 (2 x hidden bytes).
+  counted (the counts exchange is inside the timed dispatch: the backend's collective, or on nvshmem with
+  counts=device NVSHMEM puts into the peers' count slots and the layout computed on the GPU, no host sync;
+  the rows' knobs say which). Dispatch rows are FP8 (hidden bytes + one fp32 scale per scale block) or
+  BF16 (2 x hidden bytes); combine rows are BF16 (2 x hidden bytes).
 - send_mode=token (DeepEP's intranode normal kernels): a token is sent once to each destination rank that
   holds at least one of its selected experts (de-duplicated per destination rank). send_mode=selection: one
   row per (token, expert) selection. send_mode=node (per-node dispatch, as DeepEP's internode kernels,
@@ -46,7 +48,11 @@ Conventions
   barrier before each timed iteration; an iteration's time is its maximum across ranks; min, p50, p99 and
   mean are taken over the timed iterations. window (as nccl-tests) = the timed iterations run back to back
   in one window, no barrier between them; a rank's time = window / iterations, the row's time = the maximum
-  across ranks (nccl-tests' default, -a 1, averages across ranks instead). Warm-up iterations are not timed.
+  across ranks (nccl-tests' default, -a 1, averages across ranks instead). graph (--cuda-graph N, as
+  nccl-tests -G) = N calls captured into one CUDA graph, the graph replayed --iters times back to back in
+  one window: a rank's time = window / (iters x N), the row's time = the maximum across ranks; no host
+  launch per call, so it is the device time of the call (a decode layer's figure), and graph rows are their
+  own cases, never compared with window or iteration rows. Warm-up iterations are not timed.
 - Which time a figure uses: the balanced all-to-all (the nccl-tests table on stdout, its summary.md and
   report.html table) and results.json's nccl-tests fields (time, alg_bw, bus_bw, out_of_place) use
   nccl-tests' time, the mean (time_us_mean; algbw_mean_GBps, busbw_mean_GBps, pct_spec_mean); MoE tables

@@ -25,8 +25,11 @@ from commbench.run.declare import (  # noqa: F401 - the bounds and words are thi
     CORRUPT_PHASES,
     DEFAULT_ITERS,
     DEFAULT_WARMUP,
+    GRAPH_TIMING,
+    JOB_TIMINGS,
     LAUNCHED,
     MAX_BYTES,
+    MAX_GRAPH_CALLS,
     MAX_INJECT_DELAY_S,
     MAX_RANKS,
     MAX_REPEATS,
@@ -40,6 +43,7 @@ from commbench.run.declare import (  # noqa: F401 - the bounds and words are thi
     option,
     option_spec,
 )
+from commbench.run.graph_rules import decode_moe, graph_conflict
 from commbench.run.workload import MoeConfig, PairwiseConfig, SuiteConfig, SweepConfig  # noqa: F401
 
 
@@ -276,9 +280,24 @@ class TimingConfig:
         choices=TIMINGS,
     )
 
+    cuda_graph: int | None = option(
+        None,
+        "CUDA graph timing (nccl-tests -G): N back-to-back calls of each phase captured into one CUDA "
+        "graph after the warm-up, the graph replayed --iters times in one window; time = window / (iters "
+        "x N), max over ranks; the last replay verified. Rows say timing graph. nccl (balanced, kineto) "
+        "and nvshmem (counts=device, signal_op=add, N even) only; see docs/usage.md.",
+        kind="int",
+        low=1,
+        high=MAX_GRAPH_CALLS,
+        metavar="N",
+        show_default=False,
+    )
+
     def job_timing(self, check: str, kind_default: str) -> str:
-        """A job's timing: --timing if given, else the job kind's default; --check every (each timed
-        iteration verified) turns a window default into iteration timing."""
+        """A job's timing: "graph" with --cuda-graph, else --timing if given, else the job kind's default;
+        --check every (each timed iteration verified) turns a window default into iteration timing."""
+        if self.cuda_graph is not None:
+            return GRAPH_TIMING
         if self.timing is not None:
             return self.timing
         return "iteration" if check == "every" else kind_default
@@ -406,6 +425,8 @@ class RunConfig:
             timing = dataclasses.replace(timing, timing="iteration")
         if harness.check == "every" and timing.timing == "window":
             raise UsageError("--check every needs --timing iteration")
+        if timing.cuda_graph is not None and graph_conflict(self, harness, timing):
+            raise UsageError(f"--cuda-graph {timing.cuda_graph} {graph_conflict(self, harness, timing)}")
         if self.moe.send_mode == "node" and harness.imbalance_cost:
             raise UsageError(
                 "--imbalance-cost reruns a uniform layout of the same rows, which --send-mode node's two "
@@ -416,6 +437,9 @@ class RunConfig:
                 "--nccl-tests-matrix writes one all-to-all, --send-mode node runs two (scale-out, then "
                 "NVLink); use --send-mode token or selection"
             )
+        moe = self.moe
+        if moe.decode:
+            moe = decode_moe(moe, self.sweep.pattern)
         timing = dataclasses.replace(
             timing,
             warmup=timing.warmup
@@ -428,7 +452,7 @@ class RunConfig:
             raise UsageError("--spec '' names no spec; leave --spec out to choose it from the GPUs")
         if launch.resume and launch.out:
             raise UsageError("--resume DIR writes into DIR: leave out --out")
-        config = dataclasses.replace(self, launch=launch, harness=harness, timing=timing)
+        config = dataclasses.replace(self, launch=launch, harness=harness, timing=timing, moe=moe)
         harness.check_world(launch.world_size)
         return config
 

@@ -28,6 +28,11 @@ QUICK_ITERS = 5
 
 CHECK_MODES = ("checksum", "every")
 TIMINGS = ("window", "iteration")
+# --cuda-graph N: a job's calls captured N at a time into one CUDA graph and the graph replayed (run.graphs);
+# a job timing of its own, never one of --timing's choices.
+GRAPH_TIMING = "graph"
+JOB_TIMINGS = (*TIMINGS, GRAPH_TIMING)
+MAX_GRAPH_CALLS = 1 << 16  # calls captured in one graph: each is a node set of its own, kept on the GPU
 CORRUPT_PHASES = ("dispatch", "combine")
 SEND_MODES = ("token", "selection", "node")
 PATTERNS = ("moe", "balanced", "pairwise", "kineto")

@@ -10,6 +10,7 @@ Per phase (dispatch, combine, or the balanced "alltoall") every rank runs ``warm
 * "iteration" (the MoE phases' default): per iteration poison receive buffers -> synchronize -> barrier ->
   [start timer] -> phase call -> [stop timer] -> synchronize -> barrier -> check this iteration's output;
   one sample per iteration.
+* "graph" (``--cuda-graph N``): N calls in one CUDA graph, replayed in one window (``run.graphs``).
 
 The timer's end is taken by ``Timer.stop(backend.synchronize)``: a CUDA timer records its end event on the
 stream before the host waits, a host clock reads after the wait. An emulated backend's modelled time
@@ -56,10 +57,10 @@ import numpy as np
 from commbench.errors import UsageError, VerificationError
 from commbench.inputs.layout import Layout
 from commbench.plain import knobs_text
-from commbench.run import torch_profiler
+from commbench.run import graphs, torch_profiler
 from commbench.run.case import CASE_FIELDS
 from commbench.run.clocks import estimate_offsets
-from commbench.run.config import CHECK_MODES, RunOptions
+from commbench.run.config import CHECK_MODES, GRAPH_TIMING, RunOptions
 from commbench.run.interface import Backend
 from commbench.run.jobs import (
     CHECK_WINDOW_LAST,
@@ -122,7 +123,7 @@ def check_label(backend: Backend, opts: RunOptions, timing: str = "iteration") -
     final output, or "n/a" for a backend that moves no data."""
     if not backend.moves_data:
         return UNCHECKED
-    if timing == "window" and opts.check in CHECK_MODES:
+    if timing != "iteration" and opts.check in CHECK_MODES:  # window and graph: one checked output
         return CHECK_WINDOW_LAST
     return opts.check
 
@@ -244,7 +245,9 @@ def bench(
             comm.barrier()
             phase.call()
             backend.synchronize()
-        if job.timing == "window":  # timed loop
+        if job.timing == GRAPH_TIMING:  # captured calls, replayed (run.graphs)
+            seconds, output = graphs.timed_graph(comm, backend, phase.call, job, checking)
+        elif job.timing == "window":  # timed loop
             seconds, output = _timed_window(comm, backend, calls, job.iters, checking)
         else:
             seconds, output = _timed_iterations(comm, backend, calls, job.iters, mode, wrong)
@@ -374,10 +377,7 @@ def _timed_window(
 def _failures(phase: Phase, measured: Measured, job: MoeJob | BalancedJob) -> list[str]:
     if not measured.wrong:
         return []
-    if job.timing == "window":
-        where = f"in the last of {job.iters} back-to-back timed iterations (window timing)"
-    else:
-        where = f"in {measured.wrong_iters} of {job.iters} timed iterations"
+    where = graphs.wrong_where(job, measured.wrong_iters)
     return [f"{phase.label} #wrong={measured.wrong} {phase.unit} {where}"]
 
 

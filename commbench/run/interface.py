@@ -23,7 +23,7 @@ The balanced sweep also times an in-place all-to-all where the backend has one (
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -85,6 +85,10 @@ class Backend(abc.ABC):
     # The names of the GPU kernels it launches, communication or compute (report.profiler.kernels assembles
     # every registered backend's); () = none of its own.
     kernel_patterns: ClassVar[tuple[KernelPattern, ...]] = ()
+    # True where its timed calls can be captured into a CUDA graph and replayed (--cuda-graph, run.graphs):
+    # device work on the current stream with no host read of device values; which jobs and options hold
+    # under capture is its ``graph_refusal``. False (gloo, mock, sim, shmem-emu, the adapters): refused.
+    captures_graphs: ClassVar[bool] = False
     # The profiler's recorder (run.steps): a backend marks the parts of its calls with
     # ``with self.steps("pack"):``; the harness sets a StepRecorder under --profile, else it costs nothing.
     steps: Any = NO_STEPS
@@ -101,6 +105,18 @@ class Backend(abc.ABC):
     def knobs(self) -> dict[str, Any]:
         """Performance options that land in every result row (e.g. num_blocks, chunk_bytes)."""
         return {}
+
+    @classmethod
+    def graph_refusal(cls, job_kind: str, options: Mapping[str, Any], calls: int) -> str:
+        """Why a job of ``job_kind`` ("moe", "balanced", "matrix") with these backend ``options`` cannot be
+        captured ``calls`` calls to a CUDA graph ("" when it can); checked before launch. By default: every
+        job where ``captures_graphs``, none elsewhere."""
+        if cls.captures_graphs:
+            return ""
+        return (
+            "its calls cannot be captured into a CUDA graph (not CUDA work on one stream, or a library's own "
+            "calls); use --backend nccl or nvshmem, or leave out --cuda-graph"
+        )
 
     @classmethod
     def symmetric_memory_bytes(cls, shape: ExchangeShape) -> int:

@@ -3,8 +3,8 @@
 Each job checks itself against the world size before any collective (``check``), so a bad job is a one-line
 UsageError on every rank instead of a hang. A job may carry its own backend options (a knob setting of a
 sweep, ``backend_options``), laid over ``RunOptions.backend_options`` (``job_backend_options``), and says how
-its phases are timed (``timing``, one of TIMINGS): "window" for the balanced sweep, "iteration" for MoE
-phases by default.
+its phases are timed (``timing``, one of JOB_TIMINGS): "window" for the balanced sweep, "iteration" for MoE
+phases by default, "graph" with --cuda-graph (``graph_calls`` calls captured per CUDA graph, ``run.graphs``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from commbench.errors import UsageError
-from commbench.run.config import TIMINGS, RunOptions
+from commbench.run.config import GRAPH_TIMING, JOB_TIMINGS, RunOptions
 from commbench.traffic.nodes import node_phases
 from commbench.traffic.pattern import SEND_MODES
 from commbench.traffic.payload import HEADER_BYTES
@@ -26,11 +26,16 @@ from commbench.traffic.routing import RoutingConfig
 CHECK_WINDOW_LAST = "window-last"
 
 
-def _check_repeats(name: str, warmup: int, iters: int, timing: str) -> None:
+def _check_repeats(name: str, warmup: int, iters: int, timing: str, graph_calls: int = 0) -> None:
     if iters < 1 or warmup < 0:
         raise UsageError(f"job {name!r}: need iters >= 1 and warmup >= 0, got {iters} and {warmup}")
-    if timing not in TIMINGS:
-        raise UsageError(f"job {name!r}: unknown timing {timing!r}; choose {' or '.join(TIMINGS)}")
+    if timing not in JOB_TIMINGS:
+        raise UsageError(f"job {name!r}: unknown timing {timing!r}; choose {' or '.join(JOB_TIMINGS)}")
+    if (timing == GRAPH_TIMING) != (graph_calls >= 1):
+        raise UsageError(
+            f"job {name!r}: timing {timing!r} with {graph_calls} calls per CUDA graph; graph timing needs "
+            "--cuda-graph N (N >= 1), the other timings none"
+        )
 
 
 @dataclass
@@ -46,12 +51,14 @@ class MoeJob:
     warmup: int = 5
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
-    timing: str = "iteration"  # TIMINGS: per-iteration checks and percentiles
+    timing: str = "iteration"  # JOB_TIMINGS: per-iteration checks and percentiles
     repeat: int = 0  # which measurement of its case (suite --repeat, soak rounds): 0, 1, ...
+    graph_calls: int = 0  # timing "graph": calls captured per CUDA graph (--cuda-graph N)
+    decode: bool = False  # the decode case (--decode, the suite's): its rows say regime "decode"
 
     def check(self, world_size: int) -> None:
         """UsageError unless the job can run on ``world_size`` ranks."""
-        _check_repeats(self.name, self.warmup, self.iters, self.timing)
+        _check_repeats(self.name, self.warmup, self.iters, self.timing, self.graph_calls)
         if self.routing.world_size != world_size:
             raise UsageError(
                 f"job {self.name!r} is routed for {self.routing.world_size} ranks but {world_size} are "
@@ -85,12 +92,13 @@ class BalancedJob:
     warmup: int = 5
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
-    timing: str = "window"  # TIMINGS: nccl-tests' default
+    timing: str = "window"  # JOB_TIMINGS: nccl-tests' default
     repeat: int = 0  # which measurement of its case (suite --repeat, soak rounds): 0, 1, ...
+    graph_calls: int = 0  # timing "graph": calls captured per CUDA graph (--cuda-graph N)
 
     def check(self, world_size: int) -> None:
         """UsageError unless every size can run on ``world_size`` ranks."""
-        _check_repeats(self.name, self.warmup, self.iters, self.timing)
+        _check_repeats(self.name, self.warmup, self.iters, self.timing, self.graph_calls)
         if not self.sizes:
             raise UsageError(f"job {self.name!r}: a balanced all-to-all needs at least one size")
         for size in self.sizes:
@@ -128,12 +136,13 @@ class MatrixJob:
     warmup: int = 5
     iters: int = 20
     backend_options: dict[str, Any] | None = None  # this job's knob setting (over RunOptions')
-    timing: str = "window"  # TIMINGS: as the balanced sweep (nccl-tests' alltoallv_perf)
+    timing: str = "window"  # JOB_TIMINGS: as the balanced sweep (nccl-tests' alltoallv_perf)
     repeat: int = 0  # which measurement of its case (suite --repeat, soak rounds): 0, 1, ...
+    graph_calls: int = 0  # timing "graph": calls captured per CUDA graph (--cuda-graph N)
 
     def check(self, world_size: int) -> None:
         """UsageError unless every call is a [world][world] matrix of whole non-negative bytes."""
-        _check_repeats(self.name, self.warmup, self.iters, self.timing)
+        _check_repeats(self.name, self.warmup, self.iters, self.timing, self.graph_calls)
         if not self.calls:
             raise UsageError(f"job {self.name!r}: no all-to-all call to run")
         for call in self.calls:
@@ -159,7 +168,7 @@ Job = MoeJob | BalancedJob | MatrixJob
 def check_timing(job: Job, opts: RunOptions) -> None:
     """UsageError where the job's timing cannot give what the check mode verifies: --check every verifies
     each timed iteration's output, which window timing overwrites with the next one."""
-    if opts.check == "every" and job.timing == "window":
+    if opts.check == "every" and job.timing in ("window", GRAPH_TIMING):
         raise UsageError("--check every needs --timing iteration")
 
 

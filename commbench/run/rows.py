@@ -191,6 +191,8 @@ class RowMaker:
             "warmup": self.job.warmup,
             "iters": self.job.iters,
             "timing": self.job.timing,
+            # --cuda-graph N: calls captured per CUDA graph (timing "graph"); None for the other timings.
+            "graph_calls": self.job.graph_calls or None,
             "repeat": self.job.repeat,
             "row_bytes": int(row_bytes),
             **byte_columns(matrix),

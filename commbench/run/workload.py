@@ -18,6 +18,14 @@ from commbench.run.declare import (
     option,
 )
 
+# The decode case (run --decode, one per model in the suite): a serving engine's decode step, DeepEP's
+# low-latency regime (its tests: 128 tokens per rank, per-selection messages), timed as a CUDA graph where
+# the backend can capture it (run.graphs) and read as a latency in microseconds.
+DECODE = "decode"
+DECODE_TOKENS = 128
+DECODE_SEND_MODE = "selection"
+DEFAULT_TOKENS = 4096
+
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -26,7 +34,7 @@ class MoeConfig:
     model: str = option("deepseek-v3", "", kind="model", commands=MOE)
     skew: str = option("uniform", SKEW_HELP, commands=MOE)
     tokens: int = option(
-        4096,
+        DEFAULT_TOKENS,
         "Tokens per rank (the batch each rank dispatches), in tokens.",
         kind="int",
         low=1,
@@ -43,6 +51,15 @@ class MoeConfig:
         kind="choice",
         choices=SEND_MODES,
         commands=MOE,
+    )
+    decode: bool = option(
+        False,
+        f"The decode case: {DECODE_TOKENS} tokens per rank, --send-mode {DECODE_SEND_MODE} (a message per "
+        "(token, expert) selection, as low-latency kernels send), its latency in us, timed as a CUDA graph "
+        "where the backend can capture it (else per iteration; the rows' timing says which); its rows' "
+        "pattern is '<model> decode'.",
+        kind="flag",
+        commands=RUN,
     )
     mask_ratio: float = option(
         0.0,

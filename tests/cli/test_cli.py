@@ -429,7 +429,7 @@ def test_backend_option_sweep_runs_every_setting_in_one_launch(sweep: Launch) ->
     assert results["chunk_rows"].tolist() == [4, 4, 4, 4, 16, 16, 16, 16]
     assert results["signal"].tolist() == ["chunk", "chunk", "segment", "segment"] * 2
     assert results["knobs"].nunique() == 4
-    assert results["knobs"][0] == "chunk_rows=4 signal=chunk signal_op=add"
+    assert results["knobs"][0] == "chunk_rows=4 signal=chunk signal_op=add counts=host"
     assert set(pd.read_csv(sweep.out / "ranks.csv")["knobs"]) == set(results["knobs"])
     meta = json.loads((sweep.out / "meta.json").read_text())
     assert meta_values(meta)["backend_options"] == {
@@ -506,14 +506,18 @@ def test_suite_runs_every_case_in_one_launch(tmp_path: Path, thread_ranks: None)
     balanced = results[results["phase"] == "alltoall"]
     assert balanced["size_bytes"].tolist() == [1024, 4096, 16384, 65536, 262144, 1048576]
     moe = results[results["phase"] != "alltoall"]
-    assert moe["skew"].tolist() == ["uniform", "uniform", "zipf:1.2", "zipf:1.2", "hot:8:0.3", "hot:8:0.3"]
-    assert moe["phase"].tolist() == ["dispatch", "combine"] * 3
-    assert (moe["pattern"] == "deepseek-v3").all()
+    skews = ["uniform", "uniform", "zipf:1.2", "zipf:1.2", "hot:8:0.3", "hot:8:0.3", "uniform", "uniform"]
+    assert moe["skew"].tolist() == skews
+    assert moe["phase"].tolist() == ["dispatch", "combine"] * 4
+    # Then the model's decode case: 128 tokens per rank in selection mode, whatever --tokens says.
+    assert moe["pattern"].tolist() == ["deepseek-v3"] * 6 + ["deepseek-v3 decode"] * 2
+    assert moe["tokens_per_rank"].tolist() == [16] * 6 + [128] * 2
+    assert moe["send_mode"].tolist() == ["token"] * 6 + ["selection"] * 2
     # The mock moves no data: #wrong n/a (an empty cell), check "n/a".
     checks = pd.read_csv(out / "results.csv", keep_default_na=False)["check"]
     assert results["wrong"].isna().all() and (checks == "n/a").all()
     total = len(results)
-    assert f"[{total}/{total}] deepseek-v3 hot:8:0.3 combine" in result.stderr
+    assert f"[{total}/{total}] deepseek-v3 decode uniform combine" in result.stderr
     summary = (out / "summary.md").read_text()
     assert "### balanced" in summary and "### deepseek-v3" in summary
     assert "Emulated (a model, an emulator or CPU ranks)" in summary  # mock timings are labelled

@@ -27,13 +27,14 @@ def test_a_short_soak_repeats_the_cases_and_judges_their_drift(tmp_path: Path) -
     not_failed_by_data_or_completion(run.verdict())
     rows = list(csv.DictReader((out / "results.csv").open()))
     rounds = {int(row["repeat"]) for row in rows}  # each soak round is a repeat of its case
-    assert len(rounds) >= 2 and len(rows) == 3 * len(rounds)  # one balanced size + dispatch + combine
+    # One balanced size, dispatch + combine, and the decode case's dispatch + combine, every round.
+    assert len(rounds) >= 2 and len(rows) == 5 * len(rounds)
     assert {row["size_bytes"] for row in rows if row["phase"] == "alltoall"} == {str(1 << 20)}
     times = [float(row["soak_s"]) for row in rows]
     assert times == sorted(times) and times[0] > 0
     verdict = read_verdict_json(out / "verdict.json")
     drift = [e for e in verdict.elements if e.group == "soak"]
-    assert len(drift) == 3 and all(e.name.endswith("drift") and e.status != "SKIP" for e in drift)
+    assert len(drift) == 5 and all(e.name.endswith("drift") and e.status != "SKIP" for e in drift)
     assert "Soak: bandwidth per round over time" in (out / "report.html").read_text()
 
 

@@ -35,7 +35,7 @@ RESULT_KEYS = {
     "expert_max_mean", "maxvio", "expert_cv", "num_domains", "ranks_per_domain", "layout_source",
     "nvlink_bytes", "scaleout_bytes", "nvlink_bottleneck_rank", "nvlink_bottleneck_dir",
     "nvlink_bottleneck_bytes", "scaleout_bottleneck_rank", "scaleout_bottleneck_dir",
-    "scaleout_bottleneck_bytes", "knobs", "check", "timing", "repeat", "model_digest",
+    "scaleout_bottleneck_bytes", "knobs", "check", "timing", "graph_calls", "repeat", "model_digest",
 }  # fmt: skip
 IMBALANCE_KEYS = {"uniform_ref_size_bytes", "uniform_ref_total_bytes", "uniform_ref_time_us_p50"}
 BYTE_KEYS = (
@@ -409,3 +409,23 @@ def test_nccl_moe_and_balanced_verified_on_gpus():
     assert all(r["in_place_time_us_mean"] > 0 for r in rows if r["phase"] == "alltoall")
     for job in jobs[:2]:
         check_against_pattern(rows, rank_rows, job, world)
+
+
+def _nccl_entry(comm, jobs):
+    """``jobs`` on NcclBackend itself (MovedBytes reads counts on the host: not capturable)."""
+    from commbench.backends.torchdist import NcclBackend
+
+    return run_jobs(comm, jobs, RunOptions("nccl"), NcclBackend)[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a GPU")
+def test_nccl_balanced_cuda_graph_verified_on_gpus():
+    """--cuda-graph on NCCL: the balanced sweep captured by torch.cuda.graph (ProcessGroupNCCL's
+    collectives under capture), replayed, the last replay verified; the in-place run too."""
+    world = min(2, torch.cuda.device_count())
+    job = BalancedJob("balanced", [1 << 10, 1 << 22], warmup=2, iters=5, timing="graph", graph_calls=4)
+    rows = launch(world, _nccl_entry, ([job],), process_group="nccl", timeout_s=120)
+    assert [(r["timing"], r["graph_calls"], r["check"], r["wrong"]) for r in rows] == [
+        ("graph", 4, "window-last", 0)
+    ] * 2
+    assert all(r["in_place_time_us_mean"] > 0 for r in rows)

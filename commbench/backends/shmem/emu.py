@@ -18,6 +18,14 @@ Operations (one process = one PE; every item is issued by its source, as a GPU t
 * ``signal wait``: poll the receiver's own words until each reaches its expected value (``CMP_GE``), with
   the communicator's timeout; a timeout raises CommError naming the sources that never signalled.
 
+Counts (``--backend-option counts=host|device``, ``protocol``'s module docstring): host all-gathers the
+count matrix with the process group; device runs the protocol's "counts" phase through this heap (each rank
+puts its count row with a signal into every PE's ``counts_recv``, then waits for every source) and lays the
+data phases out from the received matrix with ``protocol.device_tables`` (torch on CPU tensors here: the
+same function the GPU backend runs on the device), so CI runs the count protocol NVSHMEM runs. The count
+slots are not poisoned: they are metadata, and a stale matrix equals the current one (verification of the
+rows they lay out still catches a lost exchange only when the counts changed).
+
 Before each timed iteration the harness poisons this rank's receive buffers, both sides of each phase's
 double buffer (``poison_receive_buffers``), so puts that are lost while their signals arrive leave the
 sentinel, not the previous iteration's rows.
@@ -33,6 +41,7 @@ import socket
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -40,7 +49,7 @@ import torch
 import torch.distributed as dist
 
 from commbench.backends.base import CombineReduction
-from commbench.backends.options import BackendOption, DeclaredOptions, put_signal_options
+from commbench.backends.options import BackendOption, PutSignalOptions, put_signal_options
 from commbench.backends.shmem import protocol as proto
 from commbench.errors import CommError, UsageError
 from commbench.run.interface import Backend, ExchangeShape
@@ -129,7 +138,7 @@ class SharedHeap:
             self._map.close()
 
 
-class ShmemEmuBackend(DeclaredOptions, Backend):
+class ShmemEmuBackend(PutSignalOptions, Backend):
     name = "shmem-emu"
     emulated = True
     one_sided = True  # nvshmem's heap layout: each receive buffer has two sides
@@ -141,6 +150,7 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
         self.settings = self.check_options(self.options)
         self.chunk_rows: int | None = self.settings["chunk_rows"]
         self.chunk_bytes: int = self.settings["chunk_bytes"]
+        self.device_counts = self.settings["counts"] == "device"
         if comm.device.type != "cpu":
             raise UsageError(
                 f"backend shmem-emu runs on CPU processes, got device {comm.device}; "
@@ -162,7 +172,7 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
         signal option (``protocol.widest_heap``)."""
         rows = np.asarray(shape.rows)
         return proto.widest_heap(
-            rows, shape.dispatch_row_bytes, shape.combine_row_bytes, rows.shape[0]
+            rows, shape.dispatch_row_bytes, shape.combine_row_bytes, rows.shape[0], shape.slots
         ).nbytes
 
     def knobs(self) -> dict[str, Any]:
@@ -171,6 +181,7 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
             "chunk_rows": dispatch.chunk_rows if dispatch else self.chunk_rows,
             "signal": self.settings["signal"],
             "signal_op": self.settings["signal_op"],
+            "counts": self.settings["counts"],
         }
 
     # ------------------------------------------------------------------------------------------------
@@ -183,6 +194,12 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
         self._matrix_key: bytes | None = None
         self._phases: dict[str, proto.PhaseLayout] = {}
         self._trackers: dict[str, proto.SignalTracker] = {}
+        self._slots = 0  # counts on the device: count columns per destination (0: counts on the host)
+
+    @property
+    def _signalled(self) -> tuple[str, ...]:
+        """The protocol phases with signal words in this heap: dispatch, combine (and counts)."""
+        return (*proto.PHASES, "counts") if self._slots else proto.PHASES
 
     def setup(self, plan: RankPlan) -> None:
         hosts = self.comm.all_gather_object(host_identity())
@@ -201,6 +218,7 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
             self.chunk_bytes,
         )
         self._capacity = proto.buffer_capacity(matrix)
+        self._slots = int(plan.send_counts.shape[1]) if self.device_counts else 0
         self._layout = proto.heap_layout(
             self._capacity,
             plan.dispatch_row_bytes,
@@ -208,6 +226,7 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
             self._signals[0],
             self._signals[1],
             self.comm.world_size,
+            self._slots,
         )
         key = (self._layout.nbytes, tuple(self._layout.regions.values()))
         if self._heap is None or self._heap_key != key:
@@ -216,16 +235,19 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
         # Fresh counters need fresh (zero) signal words: a new heap is zero; a reused one is cleared, then
         # every rank waits at a barrier so nobody signals into a word that is still being cleared.
         else:
-            for phase in proto.PHASES:
+            for phase in self._signalled:
                 self._heap.view(self.comm.rank, self._layout[f"{phase}_signal"])[:] = 0
             fence()
             self.comm.barrier()
         self._trackers = {
             phase: proto.SignalTracker(self.settings["signal_op"], self._layout[f"{phase}_signal"].shape[0])
-            for phase in proto.PHASES
+            for phase in self._signalled
         }
         self._matrix_key = None
         self._use_matrix(matrix)
+        if self._slots:
+            self._phases["counts"] = proto.count_layout(self.comm.world_size, self.comm.rank)
+            self._use_device_matrix(matrix)
 
     def _open_heap(self) -> None:
         if self._heap is not None:
@@ -277,10 +299,53 @@ class ShmemEmuBackend(DeclaredOptions, Backend):
         }
         self._matrix_key = key
 
+    def _use_device_matrix(self, matrix: np.ndarray) -> None:
+        """Counts on the device: the data phases' put items and wait increments from ``matrix`` by
+        ``protocol.device_tables`` (what the GPU backend computes on its GPU), the rest of each layout (its
+        splits) from the same matrix."""
+        assert self._capacity is not None and self._signals is not None
+        rows = proto.row_counts(matrix)
+        if not self._capacity.covers(rows):
+            raise UsageError("shmem-emu: the exchanged counts exceed the symmetric buffers sized at setup")
+        rank, phases = self.comm.rank, {}
+        for phase, phase_rows, signals in (
+            ("dispatch", rows, self._signals[0]),
+            ("combine", np.ascontiguousarray(rows.T), self._signals[1]),
+        ):
+            chunks = proto.max_chunks(signals, self._capacity)
+            items, increments = proto.device_tables(torch.from_numpy(phase_rows), rank, signals, chunks)
+            table = proto.active_items(items.numpy())
+            host = proto.phase_layout(phase_rows, rank, signals, self._capacity)
+            phases[phase] = replace(
+                host,
+                item_dst=table[:, 0],
+                item_src_row=table[:, 1],
+                item_dst_row=table[:, 2],
+                item_rows=table[:, 3],
+                item_word=table[:, 4],
+                wait_increment=increments.numpy()[host.wait_source],
+            )
+        self._phases.update(phases)
+        self._matrix_key = rows.tobytes()
+
+    def _device_counts(self, send_counts: torch.Tensor) -> np.ndarray:
+        """The counts phase: this rank's count row put into every PE's ``counts_recv`` row ``rank`` with a
+        signal, then every source's row waited for; the received matrix int64 [src, dst, slots]."""
+        heap, regions = self._heap_and_layout()
+        staging = heap.view(self.comm.rank, regions["counts_send"])
+        staging.view(np.int64)[0, :] = send_counts.detach().to(torch.int64).reshape(-1).numpy()
+        received = self._run_phase("counts", self._phase("counts"), staging)
+        world = self.comm.world_size
+        return received.view(np.int64).reshape(world, world, self._slots).copy()
+
     # ------------------------------------------------------------------------------------------------
     # The backend contract.
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        if self._slots:
+            matrix = self._device_counts(send_counts)
+            self._use_device_matrix(matrix)
+            return torch.from_numpy(np.ascontiguousarray(matrix[:, self.comm.rank, :]))
         matrix = self._gather_counts(send_counts)
         if self._capacity is not None:
             self._use_matrix(matrix)

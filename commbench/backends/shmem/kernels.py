@@ -91,7 +91,9 @@ def commbench_put_items(
     sig_op,
     BLOCKING: tl.constexpr,
 ):
-    """Each program takes items pid, pid + P, ...: one put-with-signal per item, then quiet."""
+    """Each program takes items pid, pid + P, ...: one put-with-signal per item, then quiet. An item with
+    rows < 0 (counts=device's fixed grid past a segment's chunks: protocol.INACTIVE) puts and signals
+    nothing."""
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     for item in range(pid, num_items, programs):
@@ -107,10 +109,11 @@ def commbench_put_items(
         sig = (sig_addr + word * 8).to(tl.int64)
         value = sig_value.to(tl.uint64)
         op = sig_op.to(tl.int32)
-        if BLOCKING:
-            _putmem_signal_block(dst, src, nbytes, sig, value, op, pe)
-        else:
-            _putmem_signal_nbi_block(dst, src, nbytes, sig, value, op, pe)
+        if rows >= 0:  # a scalar branch: every thread of the program takes it, as block-scoped calls need
+            if BLOCKING:
+                _putmem_signal_block(dst, src, nbytes, sig, value, op, pe)
+            else:
+                _putmem_signal_nbi_block(dst, src, nbytes, sig, value, op, pe)
     _quiet()
 
 

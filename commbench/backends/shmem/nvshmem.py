@@ -16,17 +16,21 @@ Per phase the host launches, with no loop over peers:
    (``CMP_GE``), by default spinning with a timeout (a dead peer becomes CommError, not a hang),
 4. combine only: the weighted reduction into token order (``index_add_``, as the all-to-all backends).
 
-The layout (offsets, items, waits) comes from the exchanged counts and is uploaded once per distinct count
-matrix. ``setup`` also compiles and loads both kernels (Triton's ``run(..., warmup=True)`` with the first
-launch's arguments, so the launch finds them in Triton's cache; torch's post-compile hook initialises
-NVSHMEM in the loaded module), under heartbeats, then the ranks meet: the first timed (or warm-up) call never
+The layout (offsets, items, waits) comes from the exchanged counts. counts=host (default): an NCCL
+all-gather, copied to the host and laid out there (a device-to-host sync inside the timed dispatch);
+counts=device: the protocol's counts phase through the same kernels, the layout computed on the device
+(``shmem.device_counts``), no host read, so the calls can be captured into a CUDA graph. ``setup`` also
+compiles and loads both kernels (Triton's ``run(..., warmup=True)`` with the first launch's arguments, so
+the launch finds them in Triton's cache; torch's post-compile hook initialises NVSHMEM in the loaded
+module), under heartbeats, then the ranks meet: the first timed (or warm-up) call never
 compiles. The variant ``vdev2d`` allocates only its own symmetric buffers, not the put heap.
 
 Options (``--backend-option KEY=VALUE``, all in every result row through ``knobs``):
 ``num_blocks`` (programs = SMs used; default: all SMs), ``num_warps`` (threads per program / 32),
 ``chunk_bytes`` or ``chunk_rows``, ``signal`` (chunk | segment), ``signal_op`` (add | set),
-``wait`` (spin | nvshmem), ``put`` (nbi | blocking), ``variant`` (put | vdev2d: torch's
-``torch.ops.symm_mem.all_to_all_vdev_2d`` expert-major exchange as a reference, in ``shmem.vdev2d``).
+``wait`` (spin | nvshmem), ``put`` (nbi | blocking), ``counts`` (host | device), ``variant`` (put |
+vdev2d: torch's ``torch.ops.symm_mem.all_to_all_vdev_2d`` expert-major exchange as a reference, in
+``shmem.vdev2d``).
 
 Needs torch >= 2.9 (``shmem.symmetric`` says why and sets up the groups, the heap and its errors).
 
@@ -37,7 +41,7 @@ raises UsageError, which the CLI turns into a one-line message and exit code 2.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,53 +49,43 @@ import torch
 import torch.distributed as dist
 
 from commbench.backends.base import CombineReduction
-from commbench.backends.options import MAX_BLOCKS, WARPS, BackendOption, DeclaredOptions, put_signal_options
+from commbench.backends.options import MAX_BLOCKS, WARPS, BackendOption, PutSignalOptions, put_signal_options
 from commbench.backends.shmem import protocol as proto
 from commbench.backends.shmem import symmetric as symm
+from commbench.backends.shmem.device_counts import DeviceLayout, graph_refusal
 from commbench.backends.shmem.names import KERNELS
+from commbench.backends.shmem.put_path import KERNEL_HINT, PutPath
 from commbench.backends.shmem.vdev2d import Vdev2dExchange
-from commbench.errors import CommbenchError, CommError, UsageError
+from commbench.errors import CommError, UsageError
 from commbench.run.heartbeats import beat_interval_s
 from commbench.run.interface import Backend, ExchangeShape
 from commbench.run.liveness import KeepAlive
 from commbench.traffic.payload import poison_
 from commbench.traffic.plan import RankPlan
 
-NEEDS = (
-    "needs CUDA GPUs and NVSHMEM (a CUDA build of torch with NVSHMEM, Triton and the nvidia-nvshmem wheel)"
-)
-KERNEL_HINT = (
-    "it needs Triton >= 3.4 and NVSHMEM device bitcode (libnvshmem_device.bc, NVSHMEM_LIB_DIR) of the "
-    "NVSHMEM version torch pins; see docs/nvshmem.md"
-)
 # How long heartbeats cover one set-up step the main thread cannot beat in: NVSHMEM's start-up with the
 # first symmetric allocation, and compiling and loading the Triton kernels (a cold cache links NVSHMEM's
 # device bitcode: tens of seconds). Past it the step counts as hung (run.liveness.KeepAlive).
 SETUP_STEP_BOUND_S = 600.0
 
 
-class NvshmemBackend(DeclaredOptions, Backend):
+class NvshmemBackend(PutPath, PutSignalOptions, Backend):
     name = "nvshmem"
     process_group = "nccl"  # one GPU per rank; NVSHMEM bootstraps over the group's store
     gpu_fabric = True
     one_sided = True
     kernel_patterns = KERNELS
+    captures_graphs = True  # with counts=device: Triton kernel launches and torch ops on the current stream
+
+    @classmethod
+    def graph_refusal(cls, job_kind: str, options: Mapping[str, Any], calls: int) -> str:
+        """Only counts=device, variant=put and an even N can be captured (``device_counts.graph_refusal``)."""
+        return graph_refusal(cls.check_options(options), calls)
 
     @classmethod
     def check_available(cls) -> None:
         """UsageError (one line, exit 2) unless this host has CUDA devices and torch >= 2.9 with NVSHMEM."""
-        if torch.cuda.device_count() < 1:
-            raise UsageError(
-                f"--backend nvshmem {NEEDS}; this host has no CUDA device (use --backend shmem-emu on CPU)"
-            )
-        symm.check_torch_version(str(torch.__version__))
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-        except ImportError as exc:
-            raise UsageError(f"--backend nvshmem {NEEDS}; torch symmetric memory is missing: {exc}") from None
-        symm.check_torch_version(str(torch.__version__), symm_mem)
-        if not symm_mem.is_nvshmem_available():
-            raise UsageError(f"--backend nvshmem {NEEDS}; this torch build reports no NVSHMEM")
+        symm.check_available()
 
     OPTIONS: ClassVar[tuple[BackendOption, ...]] = (
         BackendOption(
@@ -122,6 +116,7 @@ class NvshmemBackend(DeclaredOptions, Backend):
         self.chunk_rows: int | None = self.settings["chunk_rows"]
         self.chunk_bytes: int = self.settings["chunk_bytes"]
         self.variant = self.settings["variant"]
+        self.device_counts = self.settings["counts"] == "device"
         self.check_available()
         self._bind_device()
         self._heap: torch.Tensor | None = None
@@ -161,6 +156,7 @@ class NvshmemBackend(DeclaredOptions, Backend):
             "signal_op": self.settings["signal_op"],
             "wait": self.settings["wait"],
             "put": self.settings["put"],
+            "counts": self.settings["counts"],
         }
 
     @classmethod
@@ -189,6 +185,8 @@ class NvshmemBackend(DeclaredOptions, Backend):
         self._row_bytes = self._combine_row_bytes = 0
         self._reduce = CombineReduction()
         self._vdev: Vdev2dExchange | None = None
+        self._slots = 0  # counts=device: count columns per destination (0: counts on the host)
+        self._device: DeviceLayout | None = None  # counts=device: the tables laid out on the device
         # Kernels that compiled and launched once: later errors pass through unchanged.
         self._launched: set[str] = set()
 
@@ -212,6 +210,8 @@ class NvshmemBackend(DeclaredOptions, Backend):
         # A previous setup's views and vdev buffers must not keep old symmetric memory alive (heap budget).
         self._views, self._addr, self._vdev = {}, {}, None
         self._capacity = proto.buffer_capacity(matrix)
+        slots = int(plan.send_counts.shape[1])
+        self._slots = slots if self.device_counts and self.variant == "put" else 0
         self._layout = proto.heap_layout(
             self._capacity,
             plan.dispatch_row_bytes,
@@ -219,9 +219,9 @@ class NvshmemBackend(DeclaredOptions, Backend):
             self._signals[0],
             self._signals[1],
             self.comm.world_size,
+            self._slots,
         )
         # NVSHMEM's heap is sized from the same figure the launch's memory estimate counted.
-        slots = int(plan.send_counts.shape[1])
         shape = ExchangeShape(
             proto.row_counts(matrix), plan.dispatch_row_bytes, plan.combine_row_bytes, slots
         )
@@ -243,17 +243,24 @@ class NvshmemBackend(DeclaredOptions, Backend):
         self.comm.barrier()
         self._trackers = {
             phase: proto.SignalTracker(self.settings["signal_op"], self._layout[f"{phase}_signal"].shape[0])
-            for phase in proto.PHASES
+            for phase in self._signalled
         }
         # Pinned: the wait kernel writes timeout flags there and the host reads them without a device copy.
         pinned = self.comm.device.type == "cuda"
         self._errors = {
             phase: torch.zeros(self._layout[f"{phase}_signal"].shape[0], dtype=torch.int32, pin_memory=pinned)
-            for phase in proto.PHASES
+            for phase in self._signalled
         }
         self._matrix_key = None
         self._device_tables = {}
         self._use_matrix(matrix)
+        if self._slots:  # counts=device: the fixed tables the kernels read, rewritten on the device
+            self._device = DeviceLayout(
+                self.comm.world_size, self.comm.rank, self._slots, self._capacity, self._signals, device
+            )
+            self._device.lay_out(torch.from_numpy(proto.row_counts(matrix)).to(device))
+            self._phases["counts"] = self._device.counts
+            self._device_tables = self._device.tables
         if self.variant == "put":
             self._put, self._wait = self._load_kernels()
             self._compile_kernels()
@@ -266,7 +273,7 @@ class NvshmemBackend(DeclaredOptions, Backend):
             raw = self._heap[region.offset : region.offset + region.nbytes]
             self._views[name] = raw.view(region.dtype).view(region.shape)
             self._addr[name] = base + region.offset
-        for phase in proto.PHASES:
+        for phase in self._signalled:
             self._views[f"{phase}_signal"].zero_()
 
     @contextlib.contextmanager
@@ -283,10 +290,10 @@ class NvshmemBackend(DeclaredOptions, Backend):
         types and specialisations plus the constexprs and options). Then the ranks meet: a rank compiling from
         a cold cache holds the others here, at most --timeout."""
         with self._long_step("nvshmem: compiling and loading the Triton kernels"):
-            for phase in proto.PHASES:
+            for phase in self._signalled:
                 layout = self._phases[phase]
                 epoch = self._trackers[phase].epoch + 1  # the phase's first launch
-                row_bytes = self._row_bytes if phase == "dispatch" else self._combine_row_bytes
+                row_bytes = self._phase_row_bytes(phase)
                 launches = (
                     ("put", self._put, self._put_launch(phase, layout, row_bytes, epoch)),
                     ("wait", self._wait, self._wait_launch(phase, layout, epoch)),
@@ -331,6 +338,24 @@ class NvshmemBackend(DeclaredOptions, Backend):
             dist.all_gather_into_tensor(gathered, local, group=self._group)
         return gathered.cpu().numpy()
 
+    @property
+    def _signalled(self) -> tuple[str, ...]:
+        """The protocol phases with signal words in the heap: dispatch, combine (and counts=device's)."""
+        return (*proto.PHASES, "counts") if self._slots else proto.PHASES
+
+    def _phase_row_bytes(self, phase: str) -> int:
+        if phase == "counts":
+            return proto.count_row_bytes(self.comm.world_size, self._slots)
+        return self._row_bytes if phase == "dispatch" else self._combine_row_bytes
+
+    def _exchange_on_device(self, send_counts: torch.Tensor) -> torch.Tensor:
+        """counts=device: the counts phase (this rank's row put into every PE's count slot, every source's
+        waited for), then the phases laid out on the device from what arrived (``DeviceLayout``)."""
+        assert self._device is not None
+        self._views["counts_send"].view(torch.int64).view(-1).copy_(send_counts.reshape(-1))
+        side = self._run_phase("counts", self._phases["counts"], self._phase_row_bytes("counts"))
+        return self._device.receive(self._views["counts_recv"][side])
+
     def _use_matrix(self, matrix: np.ndarray) -> None:
         rows = proto.row_counts(matrix)
         key = rows.tobytes() + np.asarray(matrix).tobytes()
@@ -361,6 +386,8 @@ class NvshmemBackend(DeclaredOptions, Backend):
     # The backend contract.
 
     def exchange_counts(self, send_counts: torch.Tensor) -> torch.Tensor:
+        if self._slots:
+            return self._exchange_on_device(send_counts)
         matrix = self._gather_counts(send_counts)
         if self._capacity is not None:
             self._use_matrix(matrix)
@@ -425,83 +452,3 @@ class NvshmemBackend(DeclaredOptions, Backend):
         self._heap = None
         self._heap_bytes = 0
         self._reset()
-
-    # ------------------------------------------------------------------------------------------------
-    # The put path.
-
-    def _run_phase(self, phase: str, layout: proto.PhaseLayout, row_bytes: int) -> int:
-        """Launch the put and wait kernels of one iteration; returns the receive buffer's parity."""
-        epoch, _expected = self._trackers[phase].advance(layout)
-        with self.steps("put issue"):  # the put kernel (CUDA events around it under --profile)
-            self.launch_puts(phase, layout, row_bytes, epoch)
-        with self.steps("signal wait"):  # the wait kernel: until every source's signals arrived
-            self._launch_waits(phase, layout, epoch)
-        return proto.parity(epoch)
-
-    def _put_launch(
-        self, phase: str, layout: proto.PhaseLayout, row_bytes: int, epoch: int
-    ) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
-        """The put kernel's (grid, arguments, keyword arguments) for one iteration of ``phase``."""
-        items, _waits, _epoch0 = self._device_tables[phase]
-        recv_region = self._layout[f"{phase}_recv"]  # type: ignore[index]
-        recv_addr = self._addr[f"{phase}_recv"] + proto.parity(epoch) * (recv_region.nbytes // 2)
-        signals = layout.signals
-        args = (
-            items,
-            self._addr[f"{phase}_send"],
-            recv_addr,
-            self._addr[f"{phase}_signal"],
-            layout.num_items,
-            row_bytes,
-            proto.signal_value(signals.op, epoch),
-            signals.nvshmem_op,
-        )
-        kwargs = {"BLOCKING": self.settings["put"] == "blocking", "num_warps": self.num_warps}
-        return (min(self.num_blocks, layout.num_items),), args, kwargs
-
-    def _wait_launch(
-        self, phase: str, layout: proto.PhaseLayout, epoch: int
-    ) -> tuple[tuple[int], tuple[Any, ...], dict[str, Any]]:
-        """The wait kernel's (grid, arguments, keyword arguments) for one iteration of ``phase``."""
-        _items, waits, epoch0 = self._device_tables[phase]
-        args = (
-            waits,
-            self._addr[f"{phase}_signal"],
-            epoch - epoch0,
-            epoch,
-            int(self.comm.timeout_s * 1e9),
-            self._errors[phase].data_ptr(),
-        )
-        kwargs = {
-            "USE_SET": layout.signals.op == "set",
-            "SPIN": self.settings["wait"] == "spin",
-            "num_warps": 1,
-        }
-        return (int(layout.wait_word.size),), args, kwargs
-
-    def launch_puts(self, phase: str, layout: proto.PhaseLayout, row_bytes: int, epoch: int) -> None:
-        """The put kernel alone (benchmarks/gpu_check.py times it back to back: loopback bandwidth)."""
-        grid, args, kwargs = self._put_launch(phase, layout, row_bytes, epoch)
-        try:
-            self._put[grid](*args, **kwargs)
-        except Exception as exc:
-            self._kernel_failed("put", exc)
-        self._launched.add("put")
-
-    def _launch_waits(self, phase: str, layout: proto.PhaseLayout, epoch: int) -> None:
-        grid, args, kwargs = self._wait_launch(phase, layout, epoch)
-        try:
-            self._wait[grid](*args, **kwargs)
-        except Exception as exc:
-            self._kernel_failed("wait", exc)
-        self._launched.add("wait")
-
-    def _kernel_failed(self, kernel: str, exc: Exception) -> None:
-        """Re-raise a kernel's error: a one-line UsageError when it never compiled and launched before (a
-        Triton / NVSHMEM bitcode mismatch), the error itself after that (a fault at run time)."""
-        if kernel in self._launched or isinstance(exc, CommbenchError):
-            raise exc
-        raise UsageError(
-            f"--backend nvshmem: the Triton {kernel} kernel failed to build or launch "
-            f"({symm.error_summary(exc)}); {KERNEL_HINT}"
-        ) from exc

@@ -27,6 +27,19 @@ at the row where that source's segment to it started, i.e. the token owner's sen
   each word is >= the epoch. SET needs one word per signalling item (a chunk's SET would otherwise overwrite
   another's), ADD needs one word per source.
 
+Counts on the device (``counts="device"``, the backends' ``counts`` option)
+-------------------------------------------------------------------------
+By default (``counts="host"``) the count matrix is all-gathered with the job's collective and the layout
+is computed on the host (a device-to-host copy inside the timed dispatch). With ``counts="device"`` the
+count exchange is a third phase of the same protocol, "counts": every source puts its count row ([dst,
+slots] int64, one row of ``world x slots x 8`` bytes) with a signal into row ``src`` of every PE's
+double-buffered ``counts_recv`` (``count_layout``: a static all-gather), waits for every source's signal,
+and computes the dispatch and combine layout from the received matrix with torch operations of fixed shape
+on the device (``device_tables``): no host read of a device value, so a CUDA graph can capture it. The put
+items are a fixed grid of ``world x chunks`` (chunks = the capacity's largest segment in chunks), an item
+past its segment's chunks marked ``rows = -1`` (the put kernel skips it); the waits are one word per
+source, their running totals kept on the device (ADD signals only).
+
 NVSHMEM values (from ``nvshmem.h``, not the numbers in some published examples): ``SIGNAL_SET = 9``,
 ``SIGNAL_ADD = 10``, ``CMP_EQ = 0``, ``CMP_NE = 1``, ``CMP_GT = 2``, ``CMP_LE = 3``, ``CMP_LT = 4``,
 ``CMP_GE = 5``.
@@ -34,6 +47,7 @@ NVSHMEM values (from ``nvshmem.h``, not the numbers in some published examples):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,6 +68,8 @@ CMP_GE = 5
 
 SIGNAL_OPS = {"add": SIGNAL_ADD, "set": SIGNAL_SET}
 GRANULARITIES = ("chunk", "segment")
+COUNTS = ("host", "device")  # where the count matrix is exchanged and the layout computed (module docstring)
+INACTIVE = -1  # a device table's item past its segment's chunks: no put, no signal
 HEAP_ALIGN = 512  # bytes; every heap region starts aligned (vector loads/stores, 8-byte signal words)
 SIGNAL_WORD_BYTES = 8  # NVSHMEM signal words are uint64
 PHASES = ("dispatch", "combine")
@@ -170,12 +186,14 @@ def heap_layout(
     dispatch_signals: SignalConfig,
     combine_signals: SignalConfig,
     world_size: int,
+    count_slots: int = 0,
 ) -> HeapLayout:
     """The symmetric heap of one PE; offsets are the same on every PE (symmetric addresses).
 
     dispatch_send [send_rows, D], dispatch_recv [2, recv_rows, D], combine_send [recv_rows, C],
     combine_recv [2, send_rows, C], and a signal array per phase (uint64 words, held as int64: values stay
-    far below 2^63).
+    far below 2^63). With ``count_slots`` (counts on the device: the count columns per destination) also
+    counts_send [1, K], counts_recv [2, world, K] (K = world x slots x 8 bytes) and counts_signal [world].
     """
     dispatch_words = world_size * dispatch_signals.words_per_source(capacity.max_segment_rows)
     combine_words = world_size * combine_signals.words_per_source(capacity.max_segment_rows)
@@ -187,6 +205,13 @@ def heap_layout(
         ("dispatch_signal", (dispatch_words,), torch.int64),
         ("combine_signal", (combine_words,), torch.int64),
     ]
+    if count_slots:
+        count_row = count_row_bytes(world_size, count_slots)
+        wanted += [
+            ("counts_send", (1, count_row), torch.uint8),
+            ("counts_recv", (2, world_size, count_row), torch.uint8),
+            ("counts_signal", (world_size,), torch.int64),
+        ]
     regions: dict[str, Region] = {}
     offset = 0
     for name, shape, dtype in wanted:
@@ -202,14 +227,83 @@ WIDEST_SIGNALS = SignalConfig(granularity="chunk", op="set", chunk_rows=1)
 
 
 def widest_heap(
-    counts: np.ndarray, dispatch_row_bytes: int, combine_row_bytes: int, world_size: int
+    counts: np.ndarray, dispatch_row_bytes: int, combine_row_bytes: int, world_size: int, slots: int = 1
 ) -> HeapLayout:
-    """The largest heap a setup for ``counts`` lays out, whatever its signal options: ``heap_layout`` of the
-    busiest rank's capacity with ``WIDEST_SIGNALS`` (the launch's memory estimate)."""
+    """The largest heap a setup for ``counts`` lays out, whatever its options: ``heap_layout`` of the
+    busiest rank's capacity with ``WIDEST_SIGNALS`` and the count regions of ``slots`` columns per
+    destination (counts on the device; the launch's memory estimate)."""
     capacity = buffer_capacity(counts)
     return heap_layout(
-        capacity, dispatch_row_bytes, combine_row_bytes, WIDEST_SIGNALS, WIDEST_SIGNALS, world_size
+        capacity, dispatch_row_bytes, combine_row_bytes, WIDEST_SIGNALS, WIDEST_SIGNALS, world_size, slots
     )
+
+
+# The counts phase's signalling: one put-with-signal of the whole row per destination, ADD.
+COUNT_SIGNALS = SignalConfig(granularity="segment", op="add", chunk_rows=1)
+
+
+def count_row_bytes(world_size: int, slots: int) -> int:
+    """Bytes of one source's count row: [dst, slots] int64."""
+    return int(world_size) * int(slots) * SIGNAL_WORD_BYTES
+
+
+def count_layout(world_size: int, rank: int) -> PhaseLayout:
+    """The counts phase of ``rank`` (counts on the device): one row to every PE, landing at row ``rank`` of
+    its ``counts_recv`` (an all-gather), one ADD signal per source."""
+    ones = np.ones((world_size, world_size), dtype=np.int64)
+    layout = phase_layout(ones, rank, COUNT_SIGNALS, Capacity(world_size, world_size, 1))
+    # The one row of counts_send goes to every PE (an all-gather, not segments grouped by destination).
+    return dataclasses.replace(layout, item_src_row=np.zeros_like(layout.item_src_row))
+
+
+def max_chunks(signals: SignalConfig, capacity: Capacity) -> int:
+    """Items per destination in a device table: the capacity's largest segment in chunks (1 per segment)."""
+    if signals.granularity == "segment":
+        return 1
+    return max(1, -(-int(capacity.max_segment_rows) // signals.chunk_rows))
+
+
+def device_tables(
+    rows: torch.Tensor, rank: int, signals: SignalConfig, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The put items and wait increments of ``rank`` for a phase whose rows go ``rows[src, dst]`` (int64,
+    on any device), computed with torch operations of fixed shape and no host read (module docstring):
+    (items int64 [world x chunks, 5] as ``PhaseLayout.items_table``, rows -1 past a segment's chunks;
+    increments int64 [world]: the ADD signals each source sends this rank). For ADD signals (one word per
+    source); ``phase_layout`` is the host's same layout."""
+    if signals.op != "add":
+        raise ValueError("device tables keep one word per source: ADD signals only")
+    world = int(rows.shape[0])
+    device = rows.device
+    send = rows[rank]
+    starts = torch.cumsum(send, 0) - send  # exclusive: first row of each destination's segment
+    offsets = rows[:rank].sum(dim=0)  # where this rank's segment starts in each destination (rank order)
+    dst = torch.arange(world, dtype=torch.int64, device=device).repeat_interleave(chunks)
+    chunk = torch.arange(chunks, dtype=torch.int64, device=device).repeat(world)
+    seg = send[dst]
+    if signals.granularity == "segment":
+        start = torch.zeros_like(chunk)
+        count = seg
+        active = chunk == 0
+    else:
+        start = chunk * signals.chunk_rows
+        count = torch.clamp(seg - start, min=0, max=signals.chunk_rows)
+        active = chunk < torch.clamp((seg + signals.chunk_rows - 1) // signals.chunk_rows, min=1)
+    count = torch.where(active, count, torch.full_like(count, INACTIVE))
+    word = torch.full_like(dst, rank)
+    items = torch.stack([dst, starts[dst] + start, offsets[dst] + start, count, word], dim=1)
+    received = rows[:, rank]
+    if signals.granularity == "segment":
+        increments = torch.ones_like(received)
+    else:
+        increments = torch.clamp((received + signals.chunk_rows - 1) // signals.chunk_rows, min=1)
+    return items, increments
+
+
+def active_items(items: np.ndarray) -> np.ndarray:
+    """A device table's items that put (rows >= 0), in table order (``PhaseLayout.items_table``'s)."""
+    table = np.asarray(items, dtype=np.int64)
+    return table[table[:, 3] != INACTIVE]
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,28 @@ _HEAP_WORDS = (
 )
 
 
+NEEDS = (
+    "needs CUDA GPUs and NVSHMEM (a CUDA build of torch with NVSHMEM, Triton and the nvidia-nvshmem wheel)"
+)
+
+
+def check_available() -> None:
+    """UsageError (one line, exit 2) unless this host has CUDA devices and torch >= 2.9 with NVSHMEM (the
+    NVSHMEM backend's pre-launch check)."""
+    if torch.cuda.device_count() < 1:
+        raise UsageError(
+            f"--backend nvshmem {NEEDS}; this host has no CUDA device (use --backend shmem-emu on CPU)"
+        )
+    check_torch_version(str(torch.__version__))
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+    except ImportError as exc:
+        raise UsageError(f"--backend nvshmem {NEEDS}; torch symmetric memory is missing: {exc}") from None
+    check_torch_version(str(torch.__version__), symm_mem)
+    if not symm_mem.is_nvshmem_available():
+        raise UsageError(f"--backend nvshmem {NEEDS}; this torch build reports no NVSHMEM")
+
+
 def torch_release(version: str) -> tuple[int, int] | None:
     """(major, minor) of a torch version ("2.10.0+cu128" -> (2, 10)); None when it has no such prefix."""
     match = re.match(r"\s*(\d+)\.(\d+)", version)
@@ -156,7 +178,9 @@ def setup_symmetric_bytes(shape: ExchangeShape) -> int:
     (``vdev2d_buffers``), each with torch's per-rendezvous overhead."""
     rows = np.asarray(shape.rows)
     world = rows.shape[0]
-    heap = proto.widest_heap(rows, shape.dispatch_row_bytes, shape.combine_row_bytes, world).nbytes
+    heap = proto.widest_heap(
+        rows, shape.dispatch_row_bytes, shape.combine_row_bytes, world, shape.slots
+    ).nbytes
     capacity = proto.buffer_capacity(rows)
     tensors = vdev2d_buffers(capacity, shape.slots, world, shape.dispatch_row_bytes, shape.combine_row_bytes)
     vdev = sum(

@@ -25,7 +25,7 @@ from commbench.inputs.specs import NO_SPEC_NAME
 from commbench.plain import is_missing
 from commbench.report.frame import average_bus_bandwidth, balanced_rows
 from commbench.report.knobs import KNOB_SETTING_COLUMN, with_knob_setting
-from commbench.report.pages.modes import TIMING_HOW, TIMING_TIME, check_text, timing_modes, with_timing
+from commbench.report.pages.modes import TIMING_TIME, check_text, timing_how, timing_modes, with_timing
 from commbench.report.pages.tables import (
     REPEAT,
     TIMING,
@@ -55,6 +55,7 @@ _BALANCED_TIME = {
     "iteration": "the mean over the timed iterations of each iteration's max across ranks (nccl-tests' time)",
     "window": "the max across ranks of window / iterations (nccl-tests' time, whose default -a 1 averages "
     "the ranks instead)",
+    "graph": "the max across ranks of window / (replays x calls per CUDA graph) (nccl-tests' time with -G)",
 }
 _GROUP_TIMES = ("time", "algbw", "busbw", "#wrong")
 _GROUP_UNITS = ("(us)", "(GB/s)", "(GB/s)", "")
@@ -214,7 +215,7 @@ def sweep_config(frame: pd.DataFrame, meta: Mapping[str, Any]) -> dict[str, Any]
         "iterations": _whole(args.get("iters", _row_value(frame, "iters"))),
         "aggregated_iterations": 1,
         "validation": int("wrong" in frame.columns and bool(frame["wrong"].notna().any())),
-        "graph": 0,
+        "graph": _whole(args.get("iters", _row_value(frame, "iters"))) if args.get("cuda_graph") else 0,  # -G
         "blocking_collectives": json_bool(timings == ["iteration"]),
         "per_iter_timing": json_bool(False),
         "per_iter_skip": 0,
@@ -231,7 +232,7 @@ def parameter_line(config: Mapping[str, Any]) -> str:
         f"# nThread 1 nGpus 1 minBytes {_number(config['minimum_bytes'])} maxBytes "
         f"{_number(config['maximum_bytes'])} step: {_number(config['step_factor'])}(factor) warmup iters: "
         f"{_number(config['warmup_iters'])} iters: {_number(config['iterations'])} agg iters: 1 "
-        f"validation: {config['validation']} graph: 0 unalign: 0"
+        f"validation: {config['validation']} graph: {_number(config.get('graph', 0))} unalign: 0"
     )
 
 
@@ -328,7 +329,7 @@ def _mode_lines(frame: pd.DataFrame, times: Mapping[str, str]) -> list[str]:
     """ "# timing: ..." (with the time it gives) and "# check: ..." lines for the rows' modes."""
     lines = []
     for mode in timing_modes(frame):
-        how = f" ({TIMING_HOW[mode]})" if mode in TIMING_HOW else ""
+        how = f" ({timing_how(frame, mode)})" if timing_how(frame, mode) else ""
         lines += [f"# timing: {mode}{how}", f"# time = {times.get(mode, '?')}"]
     checked = check_text(frame)
     if checked:

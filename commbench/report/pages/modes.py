@@ -2,11 +2,14 @@
 
 Every result row carries ``check`` (how its timed iterations were verified) and, from the harness that times
 both ways, ``timing`` ("window": nccl-tests' back-to-back iterations in one timed window; "iteration": a
-barrier before each timed iteration). Rows without a ``timing`` value (older report folders) were timed per
-iteration, the only way commbench timed them then.
+barrier before each timed iteration; "graph": ``--cuda-graph N``, N calls captured into one CUDA graph
+and the graph replayed back to back in one window, N in the rows' ``graph_calls``). Rows without a
+``timing`` value (older report folders) were timed per iteration, the only way commbench timed them then.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import pandas as pd
 
@@ -19,10 +22,13 @@ DEFAULT_TIMING = "iteration"
 TIMING_HOW = {
     "window": "as nccl-tests: the timed iterations back to back in one window, no barrier between them",
     "iteration": "a barrier before each timed iteration",
+    "graph": "--cuda-graph: the calls captured into one CUDA graph on a side stream and the graph replayed "
+    "back to back in one window, no host launch per call (nccl-tests -G)",
 }
 TIMING_TIME = {
     "window": "the max across ranks of window / iterations",
     "iteration": "each iteration's max across ranks: min, p50, p99 and mean over the timed iterations",
+    "graph": "the max across ranks of window / (replays x calls per graph)",
 }
 TIMING_TEXT = {mode: f"{mode} ({TIMING_HOW[mode]}; time = {TIMING_TIME[mode]})" for mode in TIMING_HOW}
 
@@ -49,9 +55,37 @@ def timing_modes(frame: pd.DataFrame) -> list[str]:
     return list(dict.fromkeys(DEFAULT_TIMING if is_missing(mode) else str(mode) for mode in frame["timing"]))
 
 
+def graph_calls(frame: pd.DataFrame) -> list[int]:
+    """The calls per CUDA graph of the rows timed as graphs (``graph_calls``), in order of appearance."""
+    if frame.empty or "graph_calls" not in frame.columns or "timing" not in frame.columns:
+        return []
+    graphed = frame.loc[frame["timing"].astype(str) == "graph", "graph_calls"]
+    return [int(calls) for calls in dict.fromkeys(graphed) if not is_missing(calls)]
+
+
+def graph_label(calls: Sequence[int]) -> str:
+    """ "CUDA graph of N calls" (several Ns joined: "of 10 or 20 calls")."""
+    return f"CUDA graph of {' or '.join(map(str, calls)) or 'N'} calls"
+
+
+def timing_how(frame: pd.DataFrame, mode: str) -> str:
+    """How ``mode`` times, in words ("" for a mode it does not know); a graph says how many calls the rows'
+    graphs held."""
+    how = TIMING_HOW.get(mode, "")
+    return f"{graph_label(graph_calls(frame))}: {how}" if mode == "graph" else how
+
+
 def timing_text(frame: pd.DataFrame) -> str | None:
-    """How the rows were timed, in words ("; " between modes); None without rows."""
-    return "; ".join(TIMING_TEXT.get(mode, mode) for mode in timing_modes(frame)) or None
+    """How the rows were timed, in words ("; " between modes); None without rows. Graph rows say how many
+    calls their graph held."""
+    texts = []
+    for mode in timing_modes(frame):
+        text = TIMING_TEXT.get(mode, mode)
+        if mode == "graph":
+            label = graph_label(graph_calls(frame))
+            text = f"graph ({label}: {TIMING_HOW[mode]}; time = {TIMING_TIME[mode]})"
+        texts.append(text)
+    return "; ".join(texts) or None
 
 
 def with_timing(frame: pd.DataFrame) -> pd.DataFrame:

@@ -20,6 +20,7 @@ from commbench.backends import get_backend
 from commbench.backends.shmem.nvshmem import NvshmemBackend
 from commbench.cli import cli
 from commbench.errors import UsageError
+from tests.run.capture import capture_guard, device_work
 
 HAS_GPU = torch.cuda.device_count() > 0
 cpu_only = pytest.mark.skipif(HAS_GPU, reason="checks the refusal on machines without CUDA devices")
@@ -89,7 +90,7 @@ def test_cli_refuses_old_torch_before_launch_exit_2(monkeypatch) -> None:
 # GPU: one PE putting to itself (the lent H200 runs these; benchmarks/gpu_check.sh covers more).
 
 
-def _one_pe_entry(comm, options: dict, send_mode: str) -> list[dict]:
+def _one_pe_entry(comm, options: dict, send_mode: str, graph_calls: int = 0) -> list[dict]:
     from commbench.backends.shmem.nvshmem import NvshmemBackend
     from commbench.inputs.models import ModelConfig
     from commbench.inputs.skew import parse_skew
@@ -101,7 +102,8 @@ def _one_pe_entry(comm, options: dict, send_mode: str) -> list[dict]:
     # 16 experts: torch's all_to_all_vdev_2d (variant=vdev2d) takes at most 16 per rank.
     model = ModelConfig(name="small", hidden=1024, num_experts=16, topk=4, dispatch_dtype="fp8")
     cfg = RoutingConfig(model=model, skew=parse_skew("zipf:1.2"), world_size=1, tokens_per_rank=512, seed=2)
-    job = MoeJob(name="small", routing=cfg, send_mode=send_mode, warmup=2, iters=3)
+    timing = "graph" if graph_calls else "iteration"
+    job = MoeJob("small", cfg, send_mode, warmup=2, iters=3, timing=timing, graph_calls=graph_calls)
     rows, _ = run_jobs(comm, [job], RunOptions("nvshmem", options, timeout_s=30.0), NvshmemBackend)
     return rows
 
@@ -123,6 +125,8 @@ def test_gpu_machine_passes_the_torch_gate_and_finds_the_device_bitcode() -> Non
         ({"signal": "segment", "signal_op": "set", "wait": "nvshmem"}, "selection"),
         ({"chunk_rows": 3, "num_blocks": 4, "put": "blocking"}, "token"),
         ({"variant": "vdev2d"}, "selection"),
+        ({"counts": "device"}, "token"),
+        ({"counts": "device", "chunk_rows": 3}, "selection"),
     ],
 )
 def test_one_pe_dispatch_and_combine_verified(options: dict, send_mode: str) -> None:
@@ -202,6 +206,10 @@ class FakeTritonKernel:
         return lambda *args, **kwargs: self.run(*args, grid=grid, warmup=False, **kwargs)
 
     def run(self, *args: Any, grid: tuple[int], warmup: bool, **kwargs: Any) -> None:
+        with device_work():  # this Python is what the GPU runs: its host reads are the device's
+            self._run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    def _run(self, *args: Any, grid: tuple[int], warmup: bool, **kwargs: Any) -> None:
         key = self.key(args, kwargs)
         if key not in self.compiled:
             if self.on_compile is not None:
@@ -232,7 +240,7 @@ class FakePut(FakeTritonKernel):
         assert items.shape == (num_items, 5) and 1 <= grid[0] <= num_items
         for pe, src_row, dst_row, rows, word in items.tolist():
             assert pe == 0
-            if self.drop:
+            if self.drop or rows < 0:  # rows -1: counts=device's grid past a segment (the kernel skips it)
                 continue
             src = send_addr - base + src_row * row_bytes
             dst = recv_addr - base + dst_row * row_bytes
@@ -317,14 +325,22 @@ def host_side_backend(
 
 
 @pytest.mark.parametrize(
-    ("options", "send_mode"),
+    ("options", "send_mode", "captured"),
     [
-        ({}, "token"),
-        ({"chunk_rows": 3, "signal_op": "set"}, "selection"),
-        ({"signal": "segment"}, "selection"),
+        ({}, "token", False),
+        ({"chunk_rows": 3, "signal_op": "set"}, "selection", False),
+        ({"signal": "segment"}, "selection", False),
+        ({"counts": "device"}, "token", True),
+        ({"counts": "device", "chunk_rows": 3}, "selection", True),
+        ({"counts": "device", "signal": "segment"}, "selection", True),
     ],
 )
-def test_host_side_over_iterations_with_python_kernels(monkeypatch, options: dict, send_mode: str) -> None:
+def test_host_side_over_iterations_with_python_kernels(
+    monkeypatch, options: dict, send_mode: str, captured: bool
+) -> None:
+    """``captured``: counts=device's exchange, dispatch and combine run inside the fake CUDA graph capture
+    (tests/run/capture.py: no host read of a device value, no host-to-device copy; the Python kernels'
+    own reads are the GPU's), as a graph would capture them."""
     import torch.distributed._symmetric_memory  # noqa: F401 - setup imports it (CPU builds ship it)
 
     from commbench.inputs.models import ModelConfig
@@ -352,19 +368,23 @@ def test_host_side_over_iterations_with_python_kernels(monkeypatch, options: dic
     assert backend._put.launches == backend._wait.launches == 0
     tokens = encode_rows(0, torch.arange(plan.num_tokens), plan.dispatch_row_bytes)
     reference, tolerance = expected_combine(plan, model.hidden)
+    capture = capture_guard if captured else contextlib.nullcontext
     for _ in range(3):  # epochs 1..3: both receive buffers, running signal totals / epochs
-        counts = backend.exchange_counts(plan.send_counts)
-        received = backend.dispatch(tokens, plan, counts)
+        with capture():
+            counts = backend.exchange_counts(plan.send_counts)
+            received = backend.dispatch(tokens, plan, counts)
         backend.synchronize()
         assert count_wrong_rows(received, expected_rows([plan], 0)) == 0
         src, token = decode_header(received)
         expert_out = expert_outputs(src, token, received_keys(counts, 0, send_mode), model.hidden)
-        combined = backend.combine(expert_out, plan, counts)
+        with capture():
+            combined = backend.combine(expert_out, plan, counts)
         backend.synchronize()
         assert count_wrong_combine(combined, reference, tolerance) == 0
-    assert backend._put.launches == 6
+    assert backend._put.launches == (9 if captured else 6)  # counts=device: the counts phase's puts too
     assert backend._put.compiled_at_launch == backend._wait.compiled_at_launch == 0
     knobs = backend.knobs()
+    assert knobs["counts"] == options.get("counts", "host")
     assert knobs["num_blocks"] == 4 and knobs["chunk_bytes"] == knobs["chunk_rows"] * plan.dispatch_row_bytes
     backend.close()
 
@@ -562,3 +582,34 @@ def test_vdev2d_allocates_only_its_own_buffers_within_the_estimate(monkeypatch) 
     reserve = tensors[0][1]
     assert sum(nbytes + symm.ALLOCATION_OVERHEAD_BYTES for nbytes, _ in tensors) <= reserve
     assert reserve <= job_memory(job, world, False, NvshmemBackend).symmetric
+
+
+def test_host_side_counts_on_the_host_cannot_be_captured(monkeypatch) -> None:
+    """counts=host reads the all-gathered counts on the host each call (here the fake all-gather's
+    ``.numpy()``; on a GPU ``.cpu()``): refused inside a capture, which is why graph_refusal asks for
+    counts=device."""
+    import torch.distributed._symmetric_memory  # noqa: F401
+
+    from tests.run.capture import CaptureUnsupported
+
+    plan = _small_selection_plan(8)
+    backend = host_side_backend(monkeypatch, {})
+    backend.setup(plan)
+    with capture_guard(), pytest.raises(CaptureUnsupported):
+        backend.exchange_counts(plan.send_counts)
+
+
+@gpu_only
+@pytest.mark.parametrize("send_mode", ["token", "selection"])
+def test_one_pe_cuda_graph_of_device_counts_verified(send_mode: str) -> None:
+    """--cuda-graph on a real GPU: counts=device's exchange, dispatch and combine captured by
+    torch.cuda.graph (torch's own capture checks, not the fake's), replayed, the last replay verified."""
+    from commbench.run import dist
+
+    options = {"counts": "device"}
+    rows = dist.launch(1, _one_pe_entry, (options, send_mode, 4), process_group="nccl", timeout_s=120.0)
+    assert [(r["phase"], r["timing"], r["graph_calls"], r["wrong"]) for r in rows] == [
+        ("dispatch", "graph", 4, 0),
+        ("combine", "graph", 4, 0),
+    ]
+    assert all(r["counts"] == "device" and r["time_us_min"] > 0 for r in rows)
