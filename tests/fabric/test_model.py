@@ -16,7 +16,7 @@ def test_balanced_one_domain_closed_form():
     p = fabric.params
     pred = predict_phase(balanced_traffic(n, B), fabric)
     expected = (
-        p.phase_latency_s + (n - 1) * B / (900e9 * p.nvlink_efficiency) + (n - 1) * p.nvlink_peer_latency_s
+        p.fixed_latency_s + (n - 1) * B / (900e9 * p.nvlink_efficiency) + (n - 1) * p.nvlink_peer_latency_s
     )
     assert pred.time_s == pytest.approx(expected, rel=1e-12)
     assert pred.bottleneck_class == "nvlink" and pred.scaleout_bytes == 0
@@ -34,7 +34,7 @@ def test_balanced_two_domains_closed_form_without_pxn():
     pred = predict_phase(balanced_traffic(n, B), fabric)
     nic = 4 * B / (100e9 * p.scaleout_efficiency) + 4 * p.scaleout_peer_latency_s
     nvlink = 3 * B / (900e9 * p.nvlink_efficiency) + 3 * p.nvlink_peer_latency_s
-    assert pred.time_s == pytest.approx(p.phase_latency_s + max(nic, nvlink), rel=1e-12)
+    assert pred.time_s == pytest.approx(p.fixed_latency_s + max(nic, nvlink), rel=1e-12)
     assert pred.bottleneck_class == "scaleout"
     assert pred.scaleout_bytes == n * 4 * B and pred.nvlink_bytes == n * 3 * B
 
@@ -76,7 +76,7 @@ def test_oversubscribed_leaf_uplink_limits():
     # Each 4-GPU pod sends 4 ranks x 4 remote-pod peers x B through 4 x 100 / 2 GB/s of uplink.
     uplink = 16 * B / (200e9 * p.scaleout_efficiency)
     assert pred.bottleneck_class == "uplink" and pred.bottleneck_rank == -1
-    assert pred.time_s == pytest.approx(p.phase_latency_s + uplink, rel=1e-12)
+    assert pred.time_s == pytest.approx(p.fixed_latency_s + uplink, rel=1e-12)
     assert (
         make_fabric("gb300-nvl72", n, ranks_per_domain=2, rail_optimized=False).params.oversubscription == 1
     )
@@ -102,7 +102,7 @@ def test_grouped_blocks_equal_the_block_diagonal_matrix():
 def test_no_link_bytes_costs_the_phase_latency():
     fabric = make_fabric("hgx-h100", 4)
     pred = predict_phase(np.diag([5.0, 5.0, 5.0, 5.0]), fabric)
-    assert pred.bottleneck_class == "latency" and pred.time_s == fabric.params.phase_latency_s
+    assert pred.bottleneck_class == "latency" and pred.time_s == fabric.params.fixed_latency_s
 
 
 def test_params_from_spec_and_validation(tmp_path):
@@ -112,7 +112,7 @@ def test_params_from_spec_and_validation(tmp_path):
     )
     params = FabricParams.from_spec(spec)
     assert params.nvlink_efficiency == 0.5 and params.phase_latency_s == 0
-    pred = predict_phase(balanced_traffic(4, B), make_fabric(spec, 4, nvlink_peer_latency_s=0.0))
+    pred = predict_phase(balanced_traffic(4, B), make_fabric(spec, 4, nvlink_peer_latency_s=0.0, cuda_graph=True))
     assert pred.time_s == pytest.approx(3 * B / (100e9 * 0.5))
     with pytest.raises(UsageError, match="scaleout_efficiency"):
         make_fabric("gb300-nvl72", 8, scaleout_efficiency=0.0)
