@@ -10,6 +10,8 @@ import click
 
 from commbench.cli import options as opt
 from commbench.errors import UsageError
+from commbench.fabric.engines import KERNELS
+from commbench.inputs.specs import TRANSPORTS
 from commbench.run.declare import MAX_RANKS, MAX_TOKENS, SKEW_HELP
 
 # --fabric choices as fabric-model knobs (FabricParams); no choice keeps the spec's.
@@ -135,11 +137,35 @@ def topo(as_json: bool) -> None:
 @click.option(
     "--send-mode",
     type=click.Choice(["token", "selection", "node"]),
-    default="token",
-    show_default=True,
+    default=None,
     help="token: once per destination rank; selection: once per (token, expert); node: once per other "
     "NVLink domain over scale-out (to the rank of the same local index), then once per destination rank "
-    "inside it over NVLink (DeepEP internode, Hybrid-EP, UCCL-EP).",
+    "inside it over NVLink (DeepEP internode, Hybrid-EP, UCCL-EP) [default: the --kernel's: nccl token, "
+    "normal node, low-latency selection].",
+)
+@click.option(
+    "--kernel",
+    type=click.Choice(list(KERNELS)),
+    default="nccl",
+    show_default=True,
+    help="Transfer engine: nccl = host-initiated collectives (a latency per peer in sequence); normal = "
+    "GPU-initiated throughput kernels (DeepEP normal, Hybrid-EP, UCCL-EP: per-node dedup, peers in flight "
+    "at once, a per-SM bound); low-latency = GPU-initiated per-selection messages whose latencies overlap.",
+)
+@_count_option("--sms", "SMs a GPU-initiated kernel runs on [default: the library's usual, calibration.yaml].")
+@click.option(
+    "--transport",
+    type=click.Choice(list(TRANSPORTS)),
+    default=None,
+    help="Scale-out transport [default: the spec's]; efa is driven through a CPU proxy with a per-message "
+    "cost.",
+)
+@click.option(
+    "--cuda-graph",
+    "cuda_graph",
+    flag_value=True,
+    default=None,
+    help="Phases replayed from a CUDA graph: no per-call launch cost.",
 )
 @click.option(
     "--fabric",

@@ -22,9 +22,9 @@ fitted ones say what they were fitted on.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import resources
-from collections.abc import Mapping
 from typing import Any
 
 KERNELS = ("nccl", "normal", "low-latency")
@@ -62,7 +62,7 @@ def parameters() -> dict[str, Parameter]:
 
 
 def table_values() -> dict[str, float]:
-    """Every parameter's value by name, in the unit ``calibration.yaml`` states (us, GB/s, fraction, count)."""
+    """Every parameter's value by name, in the unit calibration.yaml states (us, GB/s, fraction, count)."""
     return {name: entry.value for name, entry in parameters().items()}
 
 

@@ -439,9 +439,7 @@ def predict_loads(loads: LinkLoads, fabric: Fabric) -> PhasePrediction:
     )
 
 
-def predict_phase(
-    traffic: np.ndarray, fabric: Fabric, message_bytes: float | None = None
-) -> PhasePrediction:
+def predict_phase(traffic: np.ndarray, fabric: Fabric, message_bytes: float | None = None) -> PhasePrediction:
     """Predicted time of one phase whose bytes are ``traffic`` ([src][dst], or [G, m, m] groups);
     ``message_bytes``: one message's size when the engine sends one per row (else one per peer)."""
     return predict_loads(compute_loads(traffic, fabric, message_bytes), fabric)
