@@ -10,15 +10,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from importlib import resources
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
+from commbench.fabric.cases import REGIMES, CalibrationCase, calibration_cases
 from commbench.fabric.engines import table_values
 from commbench.fabric.lsq import jacobian, levenberg_marquardt, unconstrained
 from commbench.fabric.model import (
+    Fabric,
     FabricParams,
     LinkLoads,
     PhasePrediction,
@@ -27,88 +28,8 @@ from commbench.fabric.model import (
     make_fabric,
     predict_loads,
 )
-from commbench.inputs.specs import load_spec
-from commbench.inputs.userfiles import load_yaml
+from commbench.inputs.specs import SystemSpec, load_spec
 from commbench.traffic.nodes import Nodes, node_stage_rows, node_token_counts
-
-# What a published figure is (calibration.yaml's header defines each); the engine that produced it.
-KIND_KERNEL = {
-    "nccl_busbw": "nccl",
-    "nccl_time_us": "nccl",
-    "deepep_dispatch": "normal",
-    "deepep_combine": "normal",
-    "ll_dispatch_us": "low-latency",
-    "ll_combine_us": "low-latency",
-}
-KINDS = tuple(KIND_KERNEL)
-# Regimes the accuracy is stated for (docs/fabric-model.md): one node or one NVL72 rack; nccl-tests
-# all-to-all across NVLink domains; GPU-initiated EP kernels across nodes; low-latency (decode) kernels.
-REGIMES = ("one domain", "nccl across domains", "EP kernels across nodes", "low-latency kernels")
-CASE_FILES = ("calibration.yaml", "published.yaml")  # the second: gathered measurements, when present
-
-
-@dataclass(frozen=True)
-class CalibrationCase:
-    """One published figure: what was run (spec, ranks, NVLink domain size), what was measured, and where."""
-
-    label: str
-    spec: str
-    world_size: int
-    ranks_per_domain: int
-    metric: str  # what the published number is, e.g. "busbw GB/s"
-    published: float
-    source: str
-    kind: str  # one of KINDS
-    size_bytes: int = 0  # nccl-tests size (bytes per rank)
-    note: str = ""  # set when the model does not explain the figure
-    untrusted: str = ""  # why the figure is not used to fit or judge the model (listed, never dropped)
-    regime: str = ""  # one of REGIMES; "" = from the kind and the layout
-    transport: str = ""  # "" = the spec's
-    sms: int = 0  # SMs the kernel ran on; 0 = the engine's default
-    tokens: int = 0  # tokens per rank of an EP case; 0 = DeepEP's test default for the kind
-    hidden: int = 0  # 0 = DeepEP's 7168
-    experts: int = 0  # 0 = DeepEP's 256
-    topk: int = 0  # 0 = DeepEP's 8
-    dispatch_fp8: bool = True  # FP8 dispatch rows (hidden + scales) rather than BF16
-    cuda_graph: bool = False  # the figure excludes launch cost (CUDA graph, or kernel time from a profiler)
-
-    @property
-    def kernel(self) -> str:
-        return KIND_KERNEL[self.kind]
-
-    @property
-    def case_regime(self) -> str:
-        if self.regime:
-            return self.regime
-        if self.kernel == "low-latency":
-            return REGIMES[3]
-        if self.world_size <= self.ranks_per_domain:
-            return REGIMES[0]
-        return REGIMES[1] if self.kernel == "nccl" else REGIMES[2]
-
-
-def _cases_of(file_name: str) -> list[CalibrationCase]:
-    root = resources.files("commbench.fabric").joinpath(file_name)
-    if not root.is_file():
-        return []
-    known = {f.name for f in fields(CalibrationCase)}
-    cases = []
-    for entry in load_yaml(root.read_text(encoding="utf-8"), file_name).get("cases") or []:
-        unknown = sorted(set(entry) - known)
-        if unknown or entry.get("kind") not in KINDS or entry.get("regime", REGIMES[0]) not in REGIMES:
-            raise ValueError(
-                f"{file_name}, case {entry.get('label')!r}: unknown keys {unknown}, kind "
-                f"{entry.get('kind')!r} not one of {', '.join(KINDS)}, or regime not one of {REGIMES}"
-            )
-        cases.append(CalibrationCase(**{**entry, "published": float(entry["published"])}))
-    return cases
-
-
-@functools.lru_cache(maxsize=1)
-def calibration_cases() -> tuple[CalibrationCase, ...]:
-    """The cases of ``calibration.yaml`` then ``published.yaml`` (if shipped), in file order."""
-    return tuple(case for name in CASE_FILES for case in _cases_of(name))
-
 
 # DeepEP's benchmark setting (tests/test_intranode.py, tests/test_internode.py): 4096 tokens per rank, hidden
 # 7168, 256 experts, top-8; internode: experts grouped by node, top min(nodes, 4) nodes per token by the max
@@ -136,20 +57,22 @@ def deepep_test_hits(
     ``experts`` placed contiguously over ``num_ranks`` in nodes of ``ranks_per_node``."""
     nodes = max(1, num_ranks // ranks_per_node)
     topk_groups = min(nodes, max_nodes)
-    experts_per_node = experts // nodes
-    experts_per_rank = experts // num_ranks
+    # Contiguous placement, uneven when the ranks do not divide the experts (288 experts on 64 ranks).
+    owner = (np.arange(experts) * num_ranks) // experts
+    expert_node = np.minimum(owner // ranks_per_node, nodes - 1)
+    node_starts = np.searchsorted(expert_node, np.arange(nodes))
     hits = np.zeros((num_ranks, tokens, num_ranks), dtype=bool)
     for start in range(0, num_ranks, chunk):
         count = min(chunk, num_ranks - start)
         scores = np.abs(rng.standard_normal((count, tokens, experts), dtype=np.float32)) + 1.0
         if nodes > 1 and topk_groups < nodes:
-            group_scores = scores.reshape(count, tokens, nodes, experts_per_node).max(-1)
+            group_scores = np.maximum.reduceat(scores, node_starts, axis=-1)
             keep = np.argpartition(-group_scores, topk_groups - 1, axis=-1)[..., :topk_groups]
             kept = np.zeros_like(group_scores, dtype=bool)
             np.put_along_axis(kept, keep, True, axis=-1)
-            scores = np.where(np.repeat(kept, experts_per_node, axis=-1), scores, 0.0)
+            scores = np.where(kept[..., expert_node], scores, 0.0)
         chosen = np.argpartition(-scores, topk - 1, axis=-1)[..., :topk]
-        np.put_along_axis(hits[start : start + count], chosen // experts_per_rank, True, axis=-1)
+        np.put_along_axis(hits[start : start + count], owner[chosen], True, axis=-1)
     return hits
 
 
@@ -178,6 +101,10 @@ def deepep_node_traffic(
     return matrix, counted
 
 
+# Normal-kernel cases route at most this many tokens per rank and scale the bytes to the case's tokens: the
+# bytes are linear in the tokens under uniform random routing, and 1,024 tokens keep the busiest rank's
+# sampling noise near 1-2% (the tests hold it to 4,096-token routing) at a quarter of the time.
+ROUTED_TOKENS = 1024
 DEEPEP_LL_TOKENS = 128  # DeepEP's low-latency test: 128 tokens per rank (decode), hidden 7168, top-8
 
 
@@ -187,13 +114,22 @@ def ll_selection_traffic(
     """[src][dst] selections of DeepEP's low-latency test routing: each token picks its top-k of random
     scores over all experts (no node limit), ``experts`` contiguous over the ranks; one message per
     selection."""
-    experts_per_rank = max(1, experts // num_ranks)
+    owner = (np.arange(experts) * num_ranks) // experts  # contiguous, uneven when ranks do not divide
     counts = np.zeros((num_ranks, num_ranks), dtype=np.int64)
     for src in range(num_ranks):
         scores = rng.random((tokens, experts), dtype=np.float32)
         chosen = np.argpartition(-scores, topk - 1, axis=-1)[:, :topk]
-        counts[src] = np.bincount((chosen // experts_per_rank).ravel(), minlength=num_ranks)[:num_ranks]
+        counts[src] = np.bincount(owner[chosen].ravel(), minlength=num_ranks)
     return counts
+
+
+@functools.lru_cache(maxsize=8)
+def _routed_hits(
+    ranks: int, per_node: int, tokens: int, seed: int, experts: int, topk: int, max_nodes: int
+) -> np.ndarray:
+    """DeepEP's test routing, shared by the cases of one table that differ only in SMs, dtype or timing."""
+    rng = np.random.default_rng(seed)
+    return deepep_test_hits(ranks, per_node, tokens, rng, experts=experts, topk=topk, max_nodes=max_nodes)
 
 
 @dataclass
@@ -205,28 +141,57 @@ class CaseTraffic:
     counted_bytes: float  # what the published GB/s figure divides by the time (0 for a time or busbw)
 
 
-def case_params(case: CalibrationCase, table: Mapping[str, float] | None = None) -> FabricParams:
-    """The model's knobs for a case: its engine, transport, SMs and graph flag, values from ``table``."""
+@functools.cache
+def case_spec(case: CalibrationCase) -> SystemSpec:
+    """The case's catalogue spec with its NIC rate and transport as run."""
     spec = load_spec(case.spec)
+    changes: dict[str, Any] = {}
+    if case.nic_gbps:
+        changes["nic_Gbps_per_direction"] = case.nic_gbps
+    if case.transport:
+        changes["transport"] = case.transport
+    return replace(spec, **changes) if changes else spec
+
+
+@functools.cache
+def _case_layout(case: CalibrationCase) -> Fabric:
+    return make_fabric(
+        case_spec(case),
+        case.world_size,
+        ranks_per_domain=case.ranks_per_domain,
+        ranks_per_host=case.ranks_per_host or None,
+        params=case_params(case),
+    )
+
+
+def case_params(
+    case: CalibrationCase, table: Mapping[str, float] | None = None, kernel: str | None = None
+) -> FabricParams:
+    """The model's knobs for a case: its engine (or ``kernel``), transport, SMs and graph flag, values from
+    ``table``."""
     return FabricParams.from_spec(
-        spec,
+        case_spec(case),
         table,
-        kernel=case.kernel,
-        transport=case.transport or None,
+        kernel=kernel or case.kernel,
         sms=case.sms or None,
         cuda_graph=case.cuda_graph,
     )
 
 
+def case_fabric(
+    case: CalibrationCase, table: Mapping[str, float] | None = None, kernel: str | None = None
+) -> Fabric:
+    """The case's fabric (spec, layout) with the knobs of ``table``."""
+    return replace(_case_layout(case), params=case_params(case, table, kernel))
+
+
 def case_traffic(case: CalibrationCase, tokens: int = DEEPEP_TOKENS, seed: int = 0) -> CaseTraffic:
     """Build a case's traffic and loads (``tokens``: per rank for normal-kernel cases that state none)."""
-    fabric = make_fabric(
-        case.spec, case.world_size, ranks_per_domain=case.ranks_per_domain, params=case_params(case)
-    )
+    fabric = case_fabric(case)
     rng = np.random.default_rng(seed)
     hidden = case.hidden or DEEPEP_HIDDEN
     fp8_row = hidden + hidden // 128 * 4 if case.dispatch_fp8 else 2 * hidden
-    combine = case.kind.endswith("combine") or case.kind == "ll_combine_us"
+    combine = "combine" in case.kind
     row = 2 * hidden if combine else fp8_row
     if case.kernel == "nccl":
         traffic = balanced_traffic(case.world_size, case.size_bytes / case.world_size)
@@ -237,30 +202,35 @@ def case_traffic(case: CalibrationCase, tokens: int = DEEPEP_TOKENS, seed: int =
             case.world_size, case.tokens or DEEPEP_LL_TOKENS, experts, topk, rng
         ).astype(np.float64)
         matrix = (selections.T if combine else selections) * row
-        return CaseTraffic(case, compute_loads(matrix, fabric, row), 0.0)
+        # NCCL-EP's bandwidth: selections a rank sends (combine: receives), its own included, x row / time.
+        counted = float(selections.sum(axis=1).mean()) * row
+        return CaseTraffic(case, compute_loads(matrix, fabric, row), counted)
     per_node = min(case.ranks_per_domain, case.world_size)
-    hits = deepep_test_hits(case.world_size, per_node, case.tokens or tokens, rng, experts=experts, topk=topk)
+    wanted = case.tokens or tokens
+    routed = min(wanted, ROUTED_TOKENS)
+    hits = _routed_hits(
+        case.world_size, per_node, routed, seed, experts, topk, case.max_nodes or case.world_size
+    )
     nodes = Nodes.of(fabric.layout.domain_of_rank)
     matrix, counted = deepep_node_traffic(hits, nodes, row, combine)
+    scale = wanted / routed
     # DeepEP prints rank 0's counted bytes over its kernel time; the mean over ranks is its expectation.
-    return CaseTraffic(case, compute_loads(matrix, fabric, row), float(counted.mean()))
+    return CaseTraffic(case, compute_loads(matrix * scale, fabric, row), float(counted.mean()) * scale)
 
 
 def case_value(
-    traffic: CaseTraffic, table: Mapping[str, float] | None = None
+    traffic: CaseTraffic, table: Mapping[str, float] | None = None, kernel: str | None = None
 ) -> tuple[float, PhasePrediction]:
-    """The model's value of the case's published figure under ``table``, and the prediction behind it."""
+    """The model's value of the case's published figure under ``table`` (and ``kernel`` instead of the
+    case's engine), and the prediction behind it."""
     case = traffic.case
-    fabric = make_fabric(
-        case.spec, case.world_size, ranks_per_domain=case.ranks_per_domain, params=case_params(case, table)
-    )
-    prediction = predict_loads(traffic.loads, fabric)
+    prediction = predict_loads(traffic.loads, case_fabric(case, table, kernel))
     if case.kind == "nccl_busbw":
         n = case.world_size
         return case.size_bytes * (n - 1) / n / prediction.time_s / 1e9, prediction
     if case.kind.endswith("_us"):
         return prediction.time_s * 1e6, prediction
-    return traffic.counted_bytes / prediction.time_s / 1e9, prediction
+    return traffic.counted_bytes / prediction.time_s / 1e9, prediction  # GB/s as the source counts it
 
 
 def predict_case(
@@ -271,11 +241,12 @@ def predict_case(
 
 
 # Parameters the calibration fits (calibration.yaml marks them "fitted"); each is held at its table value
-# when no trusted case constrains it (say, no EFA case).
+# when no trusted case constrains it. RoCE's efficiency is not fitted: its only cases are one provider's
+# GB300 cross-rack runs at 24% of line rate (the same provider's GB200 racks reach 87-90% on InfiniBand),
+# which a transport-wide parameter would carry to every RoCE fabric; they stay in the table as misses.
 FIT_PARAMETERS = (
     "nvlink_efficiency",
     "scaleout_efficiency.infiniband",
-    "scaleout_efficiency.roce",
     "scaleout_efficiency.efa",
     "message_cost_us.efa",
     "nccl.phase_latency_us",
@@ -283,6 +254,8 @@ FIT_PARAMETERS = (
     "normal.kernel_latency_us",
     "low-latency.kernel_latency_us",
     "per_sm_GBps",
+    "row_cost_us",
+    "launch_us",
 )
 _AT_MOST_ONE = ("nvlink_efficiency", "scaleout_efficiency.")  # fractions of line rate
 
@@ -304,23 +277,24 @@ def fit_table(traffics: Sequence[CaseTraffic], names: Sequence[str] = FIT_PARAME
     def residual_of(active: list[str]) -> Callable[[np.ndarray], np.ndarray]:
         def residual(log_x: np.ndarray) -> np.ndarray:
             table = {**base, **dict(zip(active, np.exp(log_x), strict=True))}
-            return np.array(
-                [math.log(case_value(t, table)[0] / t.case.published) for t in traffics], dtype=np.float64
-            )
+            logs = [math.log(max(case_value(t, table)[0], 1e-12) / t.case.published) for t in traffics]
+            return np.array(logs, dtype=np.float64) * weights
 
         return residual
 
+    # Every series (one table, one set of conditions) weighs the same, however many rows it has.
+    series = [t.case.series or t.case.source for t in traffics]
+    sizes = {name: series.count(name) for name in set(series)}
+    weights = np.array([1.0 / math.sqrt(sizes[name]) for name in series])
     start = np.log([max(base[n], 1e-3) for n in names])
     held_idx = unconstrained(jacobian(residual_of(names), start, step=0.05))
     active = [n for i, n in enumerate(names) if i not in held_idx]
-    high = np.array([0.0 if n.startswith(_AT_MOST_ONE) else np.inf for n in active])
     if not active:
         return CalibrationFit({}, {}, names)
-    fit = levenberg_marquardt(
-        residual_of(active),
-        np.log([max(base[n], 1e-3) for n in active]),
-        bounds=(np.full(len(active), -np.inf), high),
-    )
+    # Within a factor of e^4 (~55) of the table's value, and a fraction of line rate at most 1.
+    x0 = np.log([max(base[n], 1e-3) for n in active])
+    high = np.array([0.0 if n.startswith(_AT_MOST_ONE) else x + 4.0 for n, x in zip(active, x0, strict=True)])
+    fit = levenberg_marquardt(residual_of(active), x0, bounds=(x0 - 4.0, high))
     values = dict(zip(active, fit.values.tolist(), strict=True))
     sigma = dict(zip(active, fit.relative_sigma.tolist(), strict=True))
     return CalibrationFit(values, sigma, [names[i] for i in held_idx])
@@ -363,6 +337,42 @@ def calibration_rows(
                 "bottleneck": prediction.bottleneck,
                 "source": case.source,
                 "note": case.note,
+                "untrusted": case.untrusted,
+            }
+        )
+    return rows
+
+
+# The model before transfer engines (commbench 2026-12-01): every phase a host collective (a latency per
+# peer in sequence), no launch cost, no SM bound, one scale-out efficiency for every transport.
+BEFORE_TABLE = {
+    "nvlink_efficiency": 0.72,
+    "scaleout_efficiency.infiniband": 0.87,
+    "scaleout_efficiency.roce": 0.87,
+    "scaleout_efficiency.efa": 0.87,
+    "message_cost_us.efa": 0.0,
+    "nccl.phase_latency_us": 12.0,
+    "nccl.nvlink_peer_latency_us": 0.3,
+    "nccl.scaleout_peer_latency_us": 3.0,
+    "launch_us": 0.0,
+}
+
+
+def before_rows(tokens: int = DEEPEP_TOKENS, seed: int = 0) -> list[dict[str, Any]]:
+    """Every case as the model predicted it before transfer engines (``BEFORE_TABLE``, the nccl engine),
+    with the same traffic (the per-node dedup of DeepEP's cases included): the "before" of the docs."""
+    rows = []
+    for case in calibration_cases():
+        t = case_traffic(case, tokens, seed)
+        predicted, prediction = case_value(t, BEFORE_TABLE, kernel="nccl")
+        rows.append(
+            {
+                "case": case.label,
+                "regime": case.case_regime,
+                "published": case.published,
+                "predicted": predicted,
+                "error_pct": 100.0 * (predicted / case.published - 1.0),
+                "loso_error_pct": math.nan,
                 "untrusted": case.untrusted,
             }
         )

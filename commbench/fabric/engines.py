@@ -84,6 +84,7 @@ def engine_defaults(kernel: str, transport: str, table: Mapping[str, float] | No
         "kernel_latency_s": value(f"{kernel}.kernel_latency_us") * us if kernel != "nccl" else 0.0,
         "sms": int(value(f"{kernel}.sms")) if kernel != "nccl" else 0,
         "per_sm_GBps": value("per_sm_GBps"),
+        "row_cost_s": value("row_cost_us") * us,
         "message_cost_s": value(f"message_cost_us.{transport}") * us,
         "launch_s": value("launch_us") * us,
     }

@@ -70,6 +70,7 @@ class FabricParams:
     kernel_latency_s: float = 0.0  # GPU-initiated engines' fixed latency per phase (nccl: phase_latency_s)
     sms: int = 0  # SMs a GPU-initiated kernel runs on; 0 = no per-SM bound
     per_sm_GBps: float = _NCCL["per_sm_GBps"]
+    row_cost_s: float = _NCCL["row_cost_s"]  # SM time per row (token or selection) a GPU kernel handles
     message_cost_s: float = 0.0  # per scale-out message, per NIC (a CPU-proxy transport's cost)
     nics_per_gpu: int = 1
     launch_s: float = _NCCL["launch_s"]  # per call, unless replayed from a CUDA graph
@@ -137,6 +138,7 @@ class FabricParams:
             "kernel_latency_s",
             "message_cost_s",
             "launch_s",
+            "row_cost_s",
         ):
             if getattr(self, key) < 0:
                 raise UsageError(f"{key} must be >= 0, got {getattr(self, key):g}")
@@ -207,6 +209,7 @@ class LinkLoads:
     # Messages each NIC side posts ([n, send/recv]): bytes / message size when the caller knows the message
     # (a row per token or selection), else one per peer. A CPU-proxy transport pays a cost per message.
     wire_messages: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))
+    message_bytes: float = 0.0  # one row's size when known (0: not known)
 
 
 @dataclass
@@ -337,6 +340,7 @@ def compute_loads(traffic: np.ndarray, fabric: Fabric, message_bytes: float | No
         wire = msgs[:, SCALEOUT, :].astype(np.float64)
     return LinkLoads(
         wire_messages=wire,
+        message_bytes=float(message_bytes or 0.0),
         bytes=loads,
         messages=msgs,
         uplink_bytes=uplink_bytes,
@@ -414,6 +418,8 @@ def predict_loads(loads: LinkLoads, fabric: Fabric) -> PhasePrediction:
     if p.kernel != "nccl" and p.sms and loads.bytes.size:
         handled = loads.bytes.sum(axis=1).max(axis=1)  # per rank: sent or received bytes, the larger
         sm_time = handled / (p.sms * p.per_sm_GBps * 1e9)
+        if loads.message_bytes:  # and a fixed cost per row (FP8 rows cost more per byte than BF16 rows)
+            sm_time = sm_time + handled / loads.message_bytes * p.row_cost_s / p.sms
         resource["sm"] = float(sm_time.max())
         rank = int(np.argmax(sm_time))
         if sm_time[rank] > slowest:
