@@ -152,7 +152,9 @@ def topo(as_json: bool) -> None:
     "GPU-initiated throughput kernels (DeepEP normal, Hybrid-EP, UCCL-EP: per-node dedup, peers in flight "
     "at once, a per-SM bound); low-latency = GPU-initiated per-selection messages whose latencies overlap.",
 )
-@_count_option("--sms", "SMs a GPU-initiated kernel runs on [default: the library's usual, calibration.yaml].")
+@_count_option(
+    "--sms", "SMs a GPU-initiated kernel runs on [default: the library's usual, calibration.yaml]."
+)
 @click.option(
     "--transport",
     type=click.Choice(list(TRANSPORTS)),
@@ -198,12 +200,26 @@ def topo(as_json: bool) -> None:
 @click.option(
     "--calibration",
     is_flag=True,
-    help="Instead, print the model against published nccl-tests and DeepEP figures (the table of "
-    "docs/fabric-model.md; Markdown, or rows with --json). --tokens and --seed set the DeepEP cases' "
-    "routing; the other options do not apply.",
+    help="Instead, print the model against published all-to-all and EP-kernel figures: accuracy per "
+    "regime, every case with its leave-one-source-out error, the parameters (docs/fabric-calibration.md; "
+    "Markdown, or rows with --json). --tokens and --seed set the EP cases' routing; the other options do "
+    "not apply.",
+)
+@click.option(
+    "--fit",
+    "fit",
+    is_flag=True,
+    help="With --calibration: fit the model's parameters to the trusted published cases and print them "
+    "with their uncertainties (what calibration.yaml's fitted values come from).",
 )
 def simulate(
-    ranks_text: str, fabric_kind: str | None, tflops: float, as_json: bool, calibration: bool, **inputs: Any
+    ranks_text: str,
+    fabric_kind: str | None,
+    tflops: float,
+    as_json: bool,
+    calibration: bool,
+    fit: bool,
+    **inputs: Any,
 ) -> None:
     """Predict dispatch/combine time per world size with the fabric model (no GPUs needed).
 
@@ -212,8 +228,8 @@ def simulate(
     a GPU moves (self included) / phase time; efficiency = per-GPU tokens/s relative to the smallest size.
     """
     # ``inputs`` are named as commbench.fabric.ep_groups.simulate's parameters.
-    if calibration:
-        _echo_calibration(inputs["tokens_per_rank"], inputs["seed"], as_json)
+    if calibration or fit:
+        _echo_calibration(inputs["tokens_per_rank"], inputs["seed"], as_json, fit)
         return
     from commbench.cli.resources import check_simulate_fits
     from commbench.fabric.budget import simulated_budgets
@@ -261,31 +277,86 @@ def simulate(
     click.echo("\n" + modelled_budget_text(budgets))  # the comm/compute budget of each size
 
 
-def _calibration_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The calibration table of docs/fabric-model.md, the cases it flags and its sources, as Markdown."""
-    headers = ["case", "spec", "ranks", "metric", "published", "model", "error", "model's bottleneck"]
+def _regime_markdown(summary: Sequence[dict[str, Any]]) -> list[str]:
+    from commbench.report.pages.tables import format_table
+
+    headers = ["regime", "cases", "within 15%", "median abs error", "LOSO within 25%", "untrusted"]
     body = [
         [
-            r["case"] + (" (!)" if r["note"] else ""),
+            s["regime"],
+            str(s["cases"]),
+            f"{s['within_15']} of {s['cases']}",
+            f"{s['median_abs_error_pct']:.1f}%",
+            f"{s['loso_within_25']} of {s['loso_cases']}",
+            str(s["untrusted"]),
+        ]
+        for s in summary
+    ]
+    return [format_table(headers, body, "markdown")]
+
+
+def _calibration_markdown(rows: Sequence[dict[str, Any]]) -> str:
+    """The calibration of docs/fabric-calibration.md: accuracy per regime, every case, the untrusted and
+    not-modelled figures with their reasons, the parameters and the sources, as Markdown."""
+    from commbench.fabric.calibration import regime_summary
+    from commbench.fabric.cases import not_modelled
+    from commbench.fabric.engines import parameters
+    from commbench.report.pages.tables import format_table
+
+    headers = ["case", "regime", "engine", "spec", "ranks", "metric", "published", "model", "error", "LOSO"]
+    headers.append("model's bottleneck")
+    body = [
+        [
+            r["case"] + (" (u)" if r["untrusted"] else " (!)" if r["note"] else ""),
+            r["regime"],
+            r["kernel"],
             r["spec"],
             str(r["ranks"]),
             r["metric"],
             f"{r['published']:.1f}",
             f"{r['predicted']:.1f}",
-            f"{r['error_pct']:+.0f}%",
+            f"{r['error_pct']:+.1f}%",
+            "" if r["loso_error_pct"] != r["loso_error_pct"] else f"{r['loso_error_pct']:+.1f}%",
             r["bottleneck"],
         ]
         for r in rows
     ]
-    notes = [f"- (!) {r['case']}: {r['note']}" for r in rows if r["note"]]
+    lines = ["## Accuracy per regime", "", *_regime_markdown(regime_summary(rows)), ""]
+    lines += ["## Parameters", ""]
+    table = [[p.name, f"{p.value:g}", p.unit, p.source] for p in parameters().values()]
+    lines += [format_table(["parameter", "value", "unit", "source"], table, "markdown"), ""]
+    lines += ["## Cases", "", format_table(headers, body, "markdown"), ""]
+    lines += ["## Flagged and untrusted cases (listed, never fitted or scored)", ""]
+    lines += [f"- (!) {r['case']}: {r['note']}" for r in rows if r["note"]]
+    lines += [f"- (u) {r['case']}: {r['untrusted']}" for r in rows if r["untrusted"]]
+    skipped = not_modelled()
+    lines += ["", f"## Not modelled ({len(skipped)} published figures)", ""]
+    reasons: dict[str, list[str]] = {}
+    for item in skipped:
+        reasons.setdefault(item.reason, []).append(item.label)
+    lines += [f"- {reason}: {len(labels)} (e.g. {labels[0]})" for reason, labels in sorted(reasons.items())]
     sources = "; ".join(sorted({r["source"] for r in rows}))
-    from commbench.report.pages.tables import format_table
-
-    return "\n".join([format_table(headers, body, "markdown"), "", *notes, "", f"Sources: {sources}."])
+    return "\n".join([*lines, "", f"Sources: {sources}."])
 
 
-def _echo_calibration(tokens: int, seed: int, as_json: bool) -> None:
-    from commbench.fabric.calibration import calibration_rows
+def _echo_calibration(tokens: int, seed: int, as_json: bool, fit: bool) -> None:
+    from commbench.fabric.calibration import calibration_rows, case_traffic, fit_table
+    from commbench.fabric.cases import calibration_cases
+    from commbench.fabric.engines import parameters
 
+    if fit:
+        traffics = [case_traffic(case, tokens, seed) for case in calibration_cases()]
+        result = fit_table([t for t in traffics if not t.case.untrusted])
+        table = parameters()
+        if as_json:
+            click.echo(json.dumps({"values": result.values, "relative_sigma": result.relative_sigma}))
+            return
+        for name, value in result.values.items():
+            sigma = result.relative_sigma[name]
+            unit, listed = table[name].unit, table[name].value
+            click.echo(f"{name} = {value:.4g} +- {100 * sigma:.0f}% {unit} (table: {listed:g})")
+        for name in result.held:
+            click.echo(f"{name}: not constrained by the trusted cases, held at {table[name].value:g}")
+        return
     rows = calibration_rows(tokens=tokens, seed=seed)
     click.echo(json.dumps(rows, indent=2) if as_json else _calibration_markdown(rows))

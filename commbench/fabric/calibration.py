@@ -169,12 +169,14 @@ def case_params(
 ) -> FabricParams:
     """The model's knobs for a case: its engine (or ``kernel``), transport, SMs and graph flag, values from
     ``table``."""
+    api = (table or {}).get("torch_api_us", table_values()["torch_api_us"]) if case.torch_api else 0.0
     return FabricParams.from_spec(
         case_spec(case),
         table,
         kernel=kernel or case.kernel,
         sms=case.sms or None,
         cuda_graph=case.cuda_graph,
+        api_overhead_s=api * 1e-6,
     )
 
 
@@ -244,6 +246,8 @@ def predict_case(
 # when no trusted case constrains it. RoCE's efficiency is not fitted: its only cases are one provider's
 # GB300 cross-rack runs at 24% of line rate (the same provider's GB200 racks reach 87-90% on InfiniBand),
 # which a transport-wide parameter would carry to every RoCE fabric; they stay in the table as misses.
+# The launch cost is not fitted either: only the CUDA-graph cases tell it from the fixed phase latency, and
+# one source of them would decide it; it keeps its sourced prior.
 FIT_PARAMETERS = (
     "nvlink_efficiency",
     "scaleout_efficiency.infiniband",
@@ -255,9 +259,21 @@ FIT_PARAMETERS = (
     "low-latency.kernel_latency_us",
     "per_sm_GBps",
     "row_cost_us",
-    "launch_us",
+    "torch_api_us",
 )
 _AT_MOST_ONE = ("nvlink_efficiency", "scaleout_efficiency.")  # fractions of line rate
+
+
+HUBER_DELTA = 0.15  # log-error beyond which a case counts linearly, not squared (a 15% miss)
+
+
+def huber(r: np.ndarray, delta: float = HUBER_DELTA) -> np.ndarray:
+    """Pseudo-residuals whose squares are the Huber loss: a few figures the model does not explain (the
+    mid-size dips of nccl-tests curves) pull the physical parameters no harder than a 15% miss each."""
+    big = np.abs(r) > delta
+    out = r.copy()
+    out[big] = np.sign(r[big]) * np.sqrt(2 * delta * (np.abs(r[big]) - delta / 2))
+    return out
 
 
 @dataclass
@@ -269,7 +285,9 @@ class CalibrationFit:
     held: list[str]  # not constrained by the cases fitted: kept at the table value
 
 
-def fit_table(traffics: Sequence[CaseTraffic], names: Sequence[str] = FIT_PARAMETERS) -> CalibrationFit:
+def fit_table(
+    traffics: Sequence[CaseTraffic], names: Sequence[str] = FIT_PARAMETERS, max_iterations: int = 30
+) -> CalibrationFit:
     """Least squares of log(model / published) over ``traffics`` for the parameters ``names``."""
     base = table_values()
     names = list(names)
@@ -278,7 +296,7 @@ def fit_table(traffics: Sequence[CaseTraffic], names: Sequence[str] = FIT_PARAME
         def residual(log_x: np.ndarray) -> np.ndarray:
             table = {**base, **dict(zip(active, np.exp(log_x), strict=True))}
             logs = [math.log(max(case_value(t, table)[0], 1e-12) / t.case.published) for t in traffics]
-            return np.array(logs, dtype=np.float64) * weights
+            return huber(np.array(logs, dtype=np.float64)) * weights
 
         return residual
 
@@ -294,7 +312,7 @@ def fit_table(traffics: Sequence[CaseTraffic], names: Sequence[str] = FIT_PARAME
     # Within a factor of e^4 (~55) of the table's value, and a fraction of line rate at most 1.
     x0 = np.log([max(base[n], 1e-3) for n in active])
     high = np.array([0.0 if n.startswith(_AT_MOST_ONE) else x + 4.0 for n, x in zip(active, x0, strict=True)])
-    fit = levenberg_marquardt(residual_of(active), x0, bounds=(x0 - 4.0, high))
+    fit = levenberg_marquardt(residual_of(active), x0, max_iterations, bounds=(x0 - 4.0, high))
     values = dict(zip(active, fit.values.tolist(), strict=True))
     sigma = dict(zip(active, fit.relative_sigma.tolist(), strict=True))
     return CalibrationFit(values, sigma, [names[i] for i in held_idx])
@@ -313,7 +331,8 @@ def calibration_rows(
     if leave_one_out:
         trusted = [t for t in traffics if not t.case.untrusted]
         for source in sorted({t.case.source for t in trusted}):
-            fit = fit_table([t for t in trusted if t.case.source != source])
+            # Started from the table (the full fit): a few steps reach the fit without the source.
+            fit = fit_table([t for t in trusted if t.case.source != source], max_iterations=8)
             fitted = {**table_values(), **(table or {}), **fit.values}
             for index, t in enumerate(traffics):
                 if t.case.source == source:

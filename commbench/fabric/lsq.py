@@ -37,15 +37,19 @@ class Fit:
 
 
 def jacobian(
-    residual: Callable[[np.ndarray], np.ndarray], log_x: np.ndarray, step: float = 1e-4
+    residual: Callable[[np.ndarray], np.ndarray],
+    log_x: np.ndarray,
+    step: float = 1e-4,
+    at: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Central-difference Jacobian [m, k] of ``residual`` in log-parameter space."""
+    """Forward-difference Jacobian [m, k] of ``residual`` in log-parameter space (``at``: the residual
+    at ``log_x`` when the caller has it)."""
+    base = residual(log_x) if at is None else at
     columns = []
     for j in range(log_x.size):
-        up, down = log_x.copy(), log_x.copy()
+        up = log_x.copy()
         up[j] += step
-        down[j] -= step
-        columns.append((residual(up) - residual(down)) / (2 * step))
+        columns.append((residual(up) - base) / step)
     return np.stack(columns, axis=1)
 
 
@@ -70,7 +74,7 @@ def levenberg_marquardt(
     iterations = 0
     while iterations < max_iterations:
         iterations += 1
-        jac = jacobian(residual, x)
+        jac = jacobian(residual, x, at=r)
         normal = jac.T @ jac
         gradient = jac.T @ r
         improved = False
@@ -87,7 +91,7 @@ def levenberg_marquardt(
             damping *= 4
         if not improved:
             break
-    jac = jacobian(residual, x)
+    jac = jacobian(residual, x, at=r)
     dof = max(r.size - x.size, 1)
     variance = float(r @ r) / dof
     covariance = variance * np.linalg.pinv(jac.T @ jac)

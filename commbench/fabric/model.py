@@ -75,6 +75,7 @@ class FabricParams:
     nics_per_gpu: int = 1
     launch_s: float = _NCCL["launch_s"]  # per call, unless replayed from a CUDA graph
     cuda_graph: bool = False
+    api_overhead_s: float = 0.0  # host time around the kernel when a call is timed through its Python API
 
     @classmethod
     def from_spec(
@@ -109,7 +110,7 @@ class FabricParams:
     def fixed_latency_s(self) -> float:
         """The phase's fixed time: the launch (none from a CUDA graph) + the engine's fixed latency."""
         base = self.phase_latency_s if self.kernel == "nccl" else self.kernel_latency_s
-        return base + (0.0 if self.cuda_graph else self.launch_s)
+        return base + self.api_overhead_s + (0.0 if self.cuda_graph else self.launch_s)
 
     def validate(self) -> None:
         if self.kernel not in KERNELS:
@@ -139,6 +140,7 @@ class FabricParams:
             "message_cost_s",
             "launch_s",
             "row_cost_s",
+            "api_overhead_s",
         ):
             if getattr(self, key) < 0:
                 raise UsageError(f"{key} must be >= 0, got {getattr(self, key):g}")
