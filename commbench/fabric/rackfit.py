@@ -130,9 +130,10 @@ def _layout(n: int, ranks_per_domain: int, ranks_per_host: int) -> Layout:
     return Layout(ranks // ranks_per_domain, ranks // max(1, ranks_per_host), "fitted")
 
 
-def _predict(
+def predicted_times(
     phases: Sequence[MeasuredPhase], values: np.ndarray, per_domain: int, per_host: int
 ) -> np.ndarray:
+    """The model's time (s) of each phase on a rack with parameter ``values`` (RACK_PARAMETERS order)."""
     spec = rack_spec(values, per_domain, per_host)
     params = rack_params(values)
     pair = FabricParams(**{**params.__dict__, "phase_latency_s": 0.0})
@@ -153,11 +154,14 @@ def fit_rack(phases: Sequence[MeasuredPhase], ranks_per_domain: int, ranks_per_h
     measured = np.array([p.time_s for p in phases])
 
     def residual(log_x: np.ndarray) -> np.ndarray:
-        return np.log(_predict(phases, np.exp(log_x), ranks_per_domain, ranks_per_host) / measured)
+        return np.log(predicted_times(phases, np.exp(log_x), ranks_per_domain, ranks_per_host) / measured)
 
-    # Constrained at all? A parameter no time depends on, tried at a large step from a scale fitted first.
-    x0 = np.log(START)
-    scale = levenberg_marquardt(residual, x0, max_iterations=40)
+    # The phase time is a max over links, so the cost has a local minimum for every link that could be the
+    # one that limits: start from NVLink faster, equal, and slower than scale-out, and keep the best.
+    starts = [np.log(START * np.array([ratio, 1.0, 1.0, 1.0, 1.0])) for ratio in (10.0, 1.0, 0.1)]
+    fits = [levenberg_marquardt(residual, x0, max_iterations=40) for x0 in starts]
+    scale = min(fits, key=lambda f: float(f.residuals @ f.residuals))
+    # Constrained at all? A parameter no time depends on, tried at a large step.
     jac = jacobian(residual, scale.log_x, step=0.5)
     for index in unconstrained(jac):
         name = RACK_PARAMETERS[index]
@@ -180,7 +184,7 @@ def fit_rack(phases: Sequence[MeasuredPhase], ranks_per_domain: int, ranks_per_h
         relative_sigma=fit.relative_sigma,
         covariance=fit.covariance,
         measured_s=measured,
-        fitted_s=_predict(phases, values, ranks_per_domain, ranks_per_host),
+        fitted_s=predicted_times(phases, values, ranks_per_domain, ranks_per_host),
         labels=[p.label for p in phases],
         ranks_per_domain=ranks_per_domain,
         ranks_per_host=ranks_per_host,

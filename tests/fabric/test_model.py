@@ -112,7 +112,8 @@ def test_params_from_spec_and_validation(tmp_path):
     )
     params = FabricParams.from_spec(spec)
     assert params.nvlink_efficiency == 0.5 and params.phase_latency_s == 0
-    pred = predict_phase(balanced_traffic(4, B), make_fabric(spec, 4, nvlink_peer_latency_s=0.0, cuda_graph=True))
+    fabric = make_fabric(spec, 4, nvlink_peer_latency_s=0.0, cuda_graph=True)
+    pred = predict_phase(balanced_traffic(4, B), fabric)
     assert pred.time_s == pytest.approx(3 * B / (100e9 * 0.5))
     with pytest.raises(UsageError, match="scaleout_efficiency"):
         make_fabric("gb300-nvl72", 8, scaleout_efficiency=0.0)
