@@ -76,6 +76,9 @@ class CalibrationCase:
     dispatch_fp8: bool = True  # FP8 dispatch rows (hidden + scales) rather than BF16
     cuda_graph: bool = False  # the figure excludes launch cost (CUDA graph, or kernel time from a profiler)
     torch_api: bool = False  # timed around the library's Python call (pre- and post-processing included)
+    per_rank: bool = (
+        False  # a low-latency kernel sending each token once per destination rank, not per expert
+    )
 
     @property
     def kernel(self) -> str:
@@ -144,7 +147,9 @@ def _kind(entry: Mapping[str, Any]) -> str | None:
         if "max over" in metric or "peak" in metric:
             return None  # a maximum over ranks or sizes, not the figure of one run
         return "deepep_combine" if combine else "deepep_dispatch"
-    if library in ("deepep-ll", "uccl-ep-ll") and metric == "time us":
+    if library in ("deepep-ll", "uccl-ep-ll", "pplx", "trtllm-nvlink-one-sided") and (
+        metric == "time us" or metric.startswith("time us (mean")
+    ):
         return "ll_combine_us" if combine else "ll_dispatch_us"
     if library == "nccl-ep" and "BW (GB/s)" in metric:
         return "ll_combine_GBps" if combine else "ll_dispatch_GBps"
@@ -156,9 +161,10 @@ def published_case(entry: Mapping[str, Any], sources: Mapping[str, Any]) -> Cali
     label, regime = str(entry["label"]), str(entry.get("regime", ""))
     source_id = str(entry.get("source", ""))
     where = sources.get(source_id) or {}
-    source = " ".join(str(where.get(k, "")) for k in ("repo", "path")).strip() or str(
-        where.get("url", source_id)
-    )
+    source = " ".join(str(where.get(k, "")) for k in ("repo", "path")).strip()
+    if source and where.get("commit"):
+        source += f"@{str(where['commit'])[:8]}"  # one README at two commits: two sources
+    source = source or str(where.get("url", source_id))
     kind = _kind(entry)
     spec = GPU_SPECS.get(str(entry.get("gpu", "")))
     if kind is None:
@@ -209,9 +215,12 @@ def published_case(entry: Mapping[str, Any], sources: Mapping[str, Any]) -> Cali
         experts=int(experts or 0),
         topk=int(entry.get("topk") or 0),
         max_nodes=int(entry.get("topk_groups") or 0),
-        dispatch_fp8=str(entry.get("dtype", "fp8")).lower() != "bf16",
+        dispatch_fp8=str(entry.get("dtype") or "fp8").lower().startswith(("fp8", "mxfp8")),
         cuda_graph=entry.get("timing") == "kernel_only" or "CUDA graph" in str(entry.get("notes", "")),
         torch_api=entry.get("timing") == "torch_api",
+        # TensorRT-LLM's one-sided NVLink kernels write a token once per destination rank (its notes'
+        # bytes: batch x min(ep, top-k) x token bytes).
+        per_rank=str(entry.get("library")) == "trtllm-nvlink-one-sided",
     )
 
 
