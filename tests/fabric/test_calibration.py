@@ -65,8 +65,8 @@ def test_calibration_one_rack_and_cross_rack_nccl_large_sizes_within_15_percent(
 def test_calibration_deepep_intranode():
     for case in calibration_cases():
         if case.label.startswith("DeepEP EP8"):
-            value, prediction = predict_case(case, None, tokens=2048, seed=0)
-            assert value == pytest.approx(case.published, rel=0.12), case.label
+            value, prediction = predict_case(case, None, tokens=4096, seed=0)
+            assert value == pytest.approx(case.published, rel=0.15), case.label
             assert prediction.bottleneck_class == "nvlink"
 
 
