@@ -378,6 +378,15 @@ def _echo_calibration(tokens: int, seed: int, as_json: bool, fit: bool) -> None:
     click.echo(json.dumps(rows, indent=2) if as_json else _calibration_markdown(rows))
 
 
+def _cell(value: Any) -> str:
+    """A CSV cell as a key: whole numbers alike whether read as int or float, empty cells as ""."""
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def _rack_phases(folders: Sequence[str]) -> tuple[list[Any], int, int, bool]:
     """Every measured phase of the report folders as the fabric stage's plain MeasuredPhase (the report
     stage reads the folder here: commbench.fabric never imports it), the folders' domain and host sizes, and
@@ -408,12 +417,21 @@ def _rack_phases(folders: Sequence[str]) -> tuple[list[Any], int, int, bool]:
         layouts.add((world, per_domain, per_host))
         spec = folder.meta.get("system_spec") or {}
         cpu = cpu or spec.get("name") in (None, "none") or "gloo" in set(folder.results.get("backend", []))
-        ranks = folder.ranks
-        keys = ["pattern", "phase", "size_bytes", "repeat"]
-        by_key = {key: frame for key, frame in ranks.groupby(keys, sort=False)} if len(ranks) else {}
-        for row in folder.results.itertuples(index=False):
-            key = (row.pattern, row.phase, row.size_bytes, getattr(row, "repeat", 0))
-            frame = by_key.get(key)
+        # A result row's ranks: the same case (pattern, phase, skew, tokens, send mode, repeat, job) and,
+        # where ranks.csv states it (the balanced sweep), the same size; empty cells compare as "".
+        results, ranks = folder.results, folder.ranks
+        keys = [
+            key
+            for key in ("pattern", "phase", "skew", "tokens_per_rank", "send_mode", "repeat", "job_index")
+            if key in results.columns and key in ranks.columns
+        ]
+        sized = "size_bytes" in ranks.columns and ranks["size_bytes"].notna().any()
+        keys += ["size_bytes"] if sized else []
+        cells = ranks.assign(**{c: ranks[c].map(_cell) for c in keys}) if len(ranks) else ranks
+        by_key = {k: f for k, f in cells.groupby(keys, sort=False)} if len(ranks) else {}
+        for row in results.itertuples(index=False):
+            key = tuple(_cell(getattr(row, c)) for c in keys)
+            frame = by_key.get(key if len(keys) > 1 else key[0])
             if frame is None or len(frame) != world or not np.isfinite(row.time_us_p50):
                 continue
             frame = frame.sort_values("rank")

@@ -141,6 +141,17 @@ def test_calibrate_on_the_real_cpu_folder_labels_it_this_host():
     assert result.output.startswith("fit to 29 measured phases") and "not a GPU fabric" in result.output
 
 
+def test_calibrate_reads_the_moe_phases_of_a_run_with_their_per_rank_bytes():
+    # ranks.csv of a MoE run states no size: its rows match the result rows by case, phase and repeat.
+    moe = CPU_RACK.parent / "cpu-moe"
+    args = ["--calibrate", str(moe), "--calibrate", str(CPU_RACK), "--ranks", "4", "--tokens", "64", "--json"]
+    result = CliRunner().invoke(simulate, args)
+    assert result.exit_code == 0, result.output
+    phases = [row["phase"] for row in json.loads(result.output)["residuals"]]
+    assert phases[:2] == ["qwen3-30b-a3b dispatch 3874816 B", "qwen3-30b-a3b combine 3874816 B"]
+    assert len(phases) == 31
+
+
 def test_calibrate_refuses_a_folder_that_cannot_constrain_a_parameter(tmp_path):
     folder = _synthetic_folder(tmp_path, noise=0.0, pairs=False)
     result = CliRunner().invoke(simulate, ["--calibrate", str(folder), "--ranks", "4", "--tokens", "64"])
