@@ -84,6 +84,8 @@ class FabricParams:
         """``table``: parameter values by name (a fit's), else calibration.yaml's."""
         kernel = overrides.get("kernel") or "nccl"
         transport = overrides.get("transport") or spec.transport
+        if kernel not in KERNELS or transport not in TRANSPORTS:  # before their table rows are looked up
+            cls(kernel=kernel, transport=transport).validate()
         values: dict[str, Any] = {
             **engine_defaults(kernel, transport, table),
             "kernel": kernel,
