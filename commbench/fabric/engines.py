@@ -87,4 +87,5 @@ def engine_defaults(kernel: str, transport: str, table: Mapping[str, float] | No
         "row_cost_s": value("row_cost_us") * us,
         "message_cost_s": value(f"message_cost_us.{transport}") * us,
         "launch_s": value("launch_us") * us,
+        "rows_per_message": value("normal.rows_per_message") if kernel == "normal" else 1.0,
     }

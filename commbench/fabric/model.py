@@ -76,6 +76,7 @@ class FabricParams:
     launch_s: float = _NCCL["launch_s"]  # per call, unless replayed from a CUDA graph
     cuda_graph: bool = False
     api_overhead_s: float = 0.0  # host time around the kernel when a call is timed through its Python API
+    rows_per_message: float = 1.0  # rows one scale-out message carries (normal kernels send chunks of rows)
 
     @classmethod
     def from_spec(
@@ -129,10 +130,10 @@ class FabricParams:
             )
         if self.pod_gpus < 0:
             raise UsageError(f"pod_gpus must be >= 0 (0 = one pod), got {self.pod_gpus}")
-        if self.sms < 0 or self.nics_per_gpu < 1 or self.per_sm_GBps <= 0:
+        if self.sms < 0 or self.nics_per_gpu < 1 or self.per_sm_GBps <= 0 or self.rows_per_message < 1:
             raise UsageError(
-                f"sms must be >= 0, nics_per_gpu >= 1, per_sm_GBps > 0; got {self.sms}, "
-                f"{self.nics_per_gpu}, {self.per_sm_GBps:g}"
+                f"sms must be >= 0, nics_per_gpu >= 1, per_sm_GBps > 0, rows_per_message >= 1; got "
+                f"{self.sms}, {self.nics_per_gpu}, {self.per_sm_GBps:g}, {self.rows_per_message:g}"
             )
         for key in (
             "phase_latency_s",
@@ -398,7 +399,8 @@ def predict_loads(loads: LinkLoads, fabric: Fabric) -> PhasePrediction:
     messages = loads.messages if p.kernel == "nccl" else np.minimum(loads.messages, 1)
     rank_time = loads.bytes / (bandwidth[None, :, None] * 1e9) + messages * latency[None, :, None]
     if p.message_cost_s and loads.wire_messages.size:
-        rank_time[:, SCALEOUT, :] += loads.wire_messages * p.message_cost_s / p.nics_per_gpu
+        wire = loads.wire_messages / (p.rows_per_message if loads.message_bytes else 1.0)
+        rank_time[:, SCALEOUT, :] += np.ceil(wire) * p.message_cost_s / p.nics_per_gpu
     resource = {
         f"{CLASS_NAMES[c]}_{DIRECTION_NAMES[d]}": float(rank_time[:, c, d].max(initial=0.0))
         for c in range(2)
