@@ -22,7 +22,7 @@ def regime_markdown(summary: Sequence[dict[str, Any]]) -> list[str]:
             str(s["cases"]),
             f"{s['within_15']} of {s['cases']}",
             f"{s['median_abs_error_pct']:.1f}%",
-            f"{s['loso_within_25']} of {s['loso_cases']}",
+            f"{s['loso_within_25']} of {s['loso_cases']}" if s["loso_cases"] else "n/a",
             str(s["untrusted"]),
         ]
         for s in summary

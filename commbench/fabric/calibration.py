@@ -370,7 +370,7 @@ def calibration_rows(
 
 
 # The model before transfer engines (commbench 2026-12-01): every phase a host collective (a latency per
-# peer in sequence), no launch cost, no SM bound, one scale-out efficiency for every transport.
+# peer in sequence), no launch or Python-call cost, no SM bound, one scale-out efficiency for every transport.
 BEFORE_TABLE = {
     "nvlink_efficiency": 0.72,
     "scaleout_efficiency.infiniband": 0.87,
@@ -381,6 +381,7 @@ BEFORE_TABLE = {
     "nccl.nvlink_peer_latency_us": 0.3,
     "nccl.scaleout_peer_latency_us": 3.0,
     "launch_us": 0.0,
+    "torch_api_us": 0.0,
 }
 
 
