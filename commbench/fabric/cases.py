@@ -44,7 +44,11 @@ GPU_SPECS = {
     "B200": "hgx-b200",
     "GB200": "gb200-nvl72",
     "GB300": "gb300-nvl72",
+    # Same NVLink as a catalogue spec; the case's own NIC line rate (nic_gbps) replaces the spec's:
+    "B300": "hgx-b200",  # HGX B300: NVLink 5 (900 GB/s per direction, as B200), ConnectX-8 800 Gb/s
+    "H20": "hgx-h100",  # HGX H20: NVLink 4 with 18 links (900 GB/s bidirectional, as H100)
 }
+GPU_NIC_GBPS = {"B300": 800.0}  # where a case states no NIC rate and its spec's differs (ConnectX-8)
 
 
 @dataclass(frozen=True)
@@ -207,7 +211,7 @@ def published_case(entry: Mapping[str, Any], sources: Mapping[str, Any]) -> Cali
         regime=regime if regime in REGIMES else "",
         series=str(entry.get("series") or source_id),
         transport=transport if transport in ("infiniband", "roce", "efa") else "",
-        nic_gbps=float(entry.get("nic_gbps") or 0),
+        nic_gbps=float(entry.get("nic_gbps") or GPU_NIC_GBPS.get(str(entry.get("gpu")), 0)),
         ranks_per_host=per_node if per_node <= per_domain and per_domain % per_node == 0 else 0,
         sms=_first_int(entry.get("sms")),
         tokens=int(entry.get("tokens_per_rank") or 0),
