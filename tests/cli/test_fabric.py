@@ -74,7 +74,7 @@ def test_calibration_page_in_the_docs_is_current():
 
 
 def test_calibration_json_rows():
-    result = CliRunner().invoke(simulate, ["--calibration", "--json", "--tokens", "256"])
+    result = CliRunner().invoke(simulate, ["--calibration", "--json"])  # the rows of the page test, cached
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
     assert len(rows) > 100 and all(row["source"] for row in rows)
