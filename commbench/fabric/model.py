@@ -10,8 +10,11 @@ Resources (docs/fabric-model.md has the derivation and the calibration):
 - optionally, leaf-group uplinks (``pod_gpus`` GPUs under one leaf group, ``oversubscription`` > 1): bytes
   leaving or entering a leaf group share pod_gpus x NIC / oversubscription.
 
-A resource's time is bytes / (bandwidth x efficiency of its link class) + per-message latency x peers it
-exchanges with; the phase takes the fixed phase latency + the slowest resource of any rank. The model names
+A resource's time is bytes / (bandwidth x efficiency of its link class) + its message latency (every peer
+in sequence for the host-initiated nccl engine, one message for the GPU-initiated engines, whose peers are
+in flight at once; ``commbench.fabric.engines``) + the transport's per-message cost on a NIC; a GPU-initiated
+kernel's SMs are one more resource per rank. The phase takes the fixed latency (launch unless CUDA graph, +
+the engine's) + the slowest resource of any rank. The model names
 that resource: the bottleneck (rank, link class, direction). Self traffic costs nothing (it never leaves the
 GPU). Everything is vectorized over the matrix; traffic may also be given as [G, m, m] blocks (G groups of m
 contiguous ranks that only talk inside their group, such as expert-parallel groups), never materializing the
