@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from typing import Any
 
 import click
 
 from commbench.cli import options as opt
 from commbench.errors import UsageError
+from commbench.fabric.engines import KERNELS
+from commbench.inputs.specs import TRANSPORTS
 from commbench.run.declare import MAX_RANKS, MAX_TOKENS, SKEW_HELP
 
 # --fabric choices as fabric-model knobs (FabricParams); no choice keeps the spec's.
@@ -135,11 +136,37 @@ def topo(as_json: bool) -> None:
 @click.option(
     "--send-mode",
     type=click.Choice(["token", "selection", "node"]),
-    default="token",
-    show_default=True,
+    default=None,
     help="token: once per destination rank; selection: once per (token, expert); node: once per other "
     "NVLink domain over scale-out (to the rank of the same local index), then once per destination rank "
-    "inside it over NVLink (DeepEP internode, Hybrid-EP, UCCL-EP).",
+    "inside it over NVLink (DeepEP internode, Hybrid-EP, UCCL-EP) [default: the --kernel's: nccl token, "
+    "normal node, low-latency selection].",
+)
+@click.option(
+    "--kernel",
+    type=click.Choice(list(KERNELS)),
+    default="nccl",
+    show_default=True,
+    help="Transfer engine: nccl = host-initiated collectives (a latency per peer in sequence); normal = "
+    "GPU-initiated throughput kernels (DeepEP normal, Hybrid-EP, UCCL-EP: per-node dedup, peers in flight "
+    "at once, a per-SM bound); low-latency = GPU-initiated per-selection messages whose latencies overlap.",
+)
+@_count_option(
+    "--sms", "SMs a GPU-initiated kernel runs on [default: the library's usual, calibration.yaml]."
+)
+@click.option(
+    "--transport",
+    type=click.Choice(list(TRANSPORTS)),
+    default=None,
+    help="Scale-out transport [default: the spec's]; efa is driven through a CPU proxy with a per-message "
+    "cost.",
+)
+@click.option(
+    "--cuda-graph",
+    "cuda_graph",
+    flag_value=True,
+    default=None,
+    help="Phases replayed from a CUDA graph: no per-call launch cost.",
 )
 @click.option(
     "--fabric",
@@ -172,12 +199,36 @@ def topo(as_json: bool) -> None:
 @click.option(
     "--calibration",
     is_flag=True,
-    help="Instead, print the model against published nccl-tests and DeepEP figures (the table of "
-    "docs/fabric-model.md; Markdown, or rows with --json). --tokens and --seed set the DeepEP cases' "
-    "routing; the other options do not apply.",
+    help="Instead, print the model against published all-to-all and EP-kernel figures: accuracy per "
+    "regime, every case with its leave-one-source-out error, the parameters (docs/fabric-calibration.md; "
+    "Markdown, or rows with --json). --tokens and --seed set the EP cases' routing; the other options do "
+    "not apply.",
+)
+@click.option(
+    "--calibrate",
+    "calibrate",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="Instead, fit the model's link parameters to report folder(s) of this rack (balanced sweep, MoE "
+    "phases, pairwise test; repeat for several folders of one rack), print them with uncertainties and the "
+    "residuals, and predict --model at 1, 2, 4, 8, 16 racks (or --ranks) with error bars.",
+)
+@click.option(
+    "--fit",
+    "fit",
+    is_flag=True,
+    help="With --calibration: fit the model's parameters to the trusted published cases and print them "
+    "with their uncertainties (what calibration.yaml's fitted values come from).",
 )
 def simulate(
-    ranks_text: str, fabric_kind: str | None, tflops: float, as_json: bool, calibration: bool, **inputs: Any
+    ranks_text: str,
+    fabric_kind: str | None,
+    tflops: float,
+    as_json: bool,
+    calibration: bool,
+    fit: bool,
+    calibrate: tuple[str, ...],
+    **inputs: Any,
 ) -> None:
     """Predict dispatch/combine time per world size with the fabric model (no GPUs needed).
 
@@ -186,8 +237,18 @@ def simulate(
     a GPU moves (self included) / phase time; efficiency = per-GPU tokens/s relative to the smallest size.
     """
     # ``inputs`` are named as commbench.fabric.ep_groups.simulate's parameters.
-    if calibration:
-        _echo_calibration(inputs["tokens_per_rank"], inputs["seed"], as_json)
+    if calibration or fit:
+        from commbench.cli.fabric_fit import echo_calibration
+
+        echo_calibration(inputs["tokens_per_rank"], inputs["seed"], as_json, fit)
+        return
+    if calibrate:
+        ctx = click.get_current_context()
+        given = ctx.get_parameter_source("ranks_text") != click.core.ParameterSource.DEFAULT
+        ranks = _parse_ranks(ranks_text) if given else None
+        from commbench.cli.fabric_fit import echo_rack_fit
+
+        echo_rack_fit(calibrate, inputs["model"], ranks, inputs["tokens_per_rank"], inputs["seed"], as_json)
         return
     from commbench.cli.resources import check_simulate_fits
     from commbench.fabric.budget import simulated_budgets
@@ -233,33 +294,3 @@ def simulate(
         "bandwidths per direction"
     )
     click.echo("\n" + modelled_budget_text(budgets))  # the comm/compute budget of each size
-
-
-def _calibration_markdown(rows: Sequence[dict[str, Any]]) -> str:
-    """The calibration table of docs/fabric-model.md, the cases it flags and its sources, as Markdown."""
-    headers = ["case", "spec", "ranks", "metric", "published", "model", "error", "model's bottleneck"]
-    body = [
-        [
-            r["case"] + (" (!)" if r["note"] else ""),
-            r["spec"],
-            str(r["ranks"]),
-            r["metric"],
-            f"{r['published']:.1f}",
-            f"{r['predicted']:.1f}",
-            f"{r['error_pct']:+.0f}%",
-            r["bottleneck"],
-        ]
-        for r in rows
-    ]
-    notes = [f"- (!) {r['case']}: {r['note']}" for r in rows if r["note"]]
-    sources = "; ".join(sorted({r["source"] for r in rows}))
-    from commbench.report.pages.tables import format_table
-
-    return "\n".join([format_table(headers, body, "markdown"), "", *notes, "", f"Sources: {sources}."])
-
-
-def _echo_calibration(tokens: int, seed: int, as_json: bool) -> None:
-    from commbench.fabric.calibration import calibration_rows
-
-    rows = calibration_rows(tokens=tokens, seed=seed)
-    click.echo(json.dumps(rows, indent=2) if as_json else _calibration_markdown(rows))

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from commbench.errors import UsageError
+from commbench.fabric.engines import KERNEL_SEND_MODE
 from commbench.fabric.model import Fabric, PhasePrediction, make_fabric, predict_phase, uniform_host_size
 from commbench.inputs.models import ModelConfig, load_model
 from commbench.inputs.skew import SkewSpec, parse_skew
@@ -340,7 +341,7 @@ def simulate(
     ranks_per_domain: int | None = None,
     ranks_per_host: int | None = None,
     ep_size: int | None = None,
-    send_mode: str = "token",
+    send_mode: str | None = None,
     seed: int = 0,
     sample_tokens: int = 4096,
     exact: bool | None = None,
@@ -358,6 +359,9 @@ def simulate(
     system = load_spec(spec)
     model, skew = _model_and_skew(model, skew)
     fabrics = [make_fabric(system, w, ranks_per_domain, ranks_per_host, **fabric_overrides) for w in sizes]
+    # Each engine moves its own pattern unless the caller chose one (nccl: flat, normal: per node, ...).
+    send_mode = send_mode or KERNEL_SEND_MODE[fabrics[0].params.kernel]
+    gpu_initiated = fabrics[0].params.kernel != "nccl"
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     base: dict[str, float] = {}
@@ -378,8 +382,10 @@ def simulate(
                 "internode kernels run them), nodes = the NVLink domains each EP group's ranks sit in"
             )
         notes.append(note)
-        dispatch = predict_phase(pattern.dispatch_bytes, fabric)
-        combine = predict_phase(pattern.combine_bytes, fabric)
+        # GPU-initiated engines post one message per row (a token, or a selection), nccl one per peer.
+        rows_in = (model.dispatch_bytes_per_token, model.combine_bytes_per_token) if gpu_initiated else (0, 0)
+        dispatch = predict_phase(pattern.dispatch_bytes, fabric, rows_in[0] or None)
+        combine = predict_phase(pattern.combine_bytes, fabric, rows_in[1] or None)
         for phase, pred in (("dispatch", dispatch), ("combine", combine)):
             rows.append(_sim_row(world, pattern, fabric, phase, pred.time_s, pred, base))
         rows.append(_sim_row(world, pattern, fabric, "total", dispatch.time_s + combine.time_s, None, base))

@@ -10,8 +10,11 @@ Resources (docs/fabric-model.md has the derivation and the calibration):
 - optionally, leaf-group uplinks (``pod_gpus`` GPUs under one leaf group, ``oversubscription`` > 1): bytes
   leaving or entering a leaf group share pod_gpus x NIC / oversubscription.
 
-A resource's time is bytes / (bandwidth x efficiency of its link class) + per-message latency x peers it
-exchanges with; the phase takes the fixed phase latency + the slowest resource of any rank. The model names
+A resource's time is bytes / (bandwidth x efficiency of its link class) + its message latency (every peer
+in sequence for the host-initiated nccl engine, one message for the GPU-initiated engines, whose peers are
+in flight at once; ``commbench.fabric.engines``) + the transport's per-message cost on a NIC; a GPU-initiated
+kernel's SMs are one more resource per rank. The phase takes the fixed latency (launch unless CUDA graph, +
+the engine's) + the slowest resource of any rank. The model names
 that resource: the bottleneck (rank, link class, direction). Self traffic costs nothing (it never leaves the
 GPU). Everything is vectorized over the matrix; traffic may also be given as [G, m, m] blocks (G groups of m
 contiguous ranks that only talk inside their group, such as expert-parallel groups), never materializing the
@@ -24,61 +27,84 @@ compares it with published measurements (``commbench simulate --calibration``).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from commbench.errors import UsageError
+from commbench.fabric.engines import KERNELS, engine_defaults
 from commbench.inputs.layout import Layout, build_layout
-from commbench.inputs.specs import SystemSpec, load_spec
+from commbench.inputs.specs import TRANSPORTS, SystemSpec, load_spec
 
 NVLINK, SCALEOUT = 0, 1
 SEND, RECV = 0, 1
 CLASS_NAMES = ("nvlink", "scaleout")
 DIRECTION_NAMES = ("send", "recv")
 
-# Calibrated defaults (docs/fabric-model.md, `commbench simulate --calibration`):
-# - NVLink efficiency: nccl-tests alltoall busbw inside one NVL72 rack (GB300 and GB200, 4 to 64 GPUs,
-#   8-16 GiB) is 615-685 GB/s of 900 GB/s per direction: median 0.72 of line rate.
-# - Scale-out efficiency: nccl-tests alltoall across GB200 racks (2 and 3 racks) gives 0.84-0.90 of the
-#   400 Gb/s NIC; DeepEP's RDMA figures on H800 sit in the same range. GB300 across two racks (0.24) is an
-#   outlier the model does not explain (see the doc).
-# - Latencies: nccl-tests alltoall at 512 KiB inside a GB300 rack takes 14.5 us at 4 GPUs, 15.3 us at 8 and
-#   32.7 us at 64: about 12 us fixed + 0.3 us per NVLink peer. Per scale-out peer: 3 us, from RDMA write
-#   latency across racks (3.2 us, OCI GB200 quick-start); not fitted to an all-to-all (none published).
-DEFAULT_NVLINK_EFFICIENCY = 0.72
-DEFAULT_SCALEOUT_EFFICIENCY = 0.87
-DEFAULT_PHASE_LATENCY_S = 12e-6
-DEFAULT_NVLINK_PEER_LATENCY_S = 0.3e-6
-DEFAULT_SCALEOUT_PEER_LATENCY_S = 3e-6
+# Defaults: the nccl engine on InfiniBand, from the parameter table (calibration.yaml, each value sourced).
+_NCCL = engine_defaults("nccl", "infiniband")
+DEFAULT_NVLINK_EFFICIENCY = _NCCL["nvlink_efficiency"]
+DEFAULT_SCALEOUT_EFFICIENCY = _NCCL["scaleout_efficiency"]
+DEFAULT_PHASE_LATENCY_S = _NCCL["phase_latency_s"]
+DEFAULT_NVLINK_PEER_LATENCY_S = _NCCL["nvlink_peer_latency_s"]
+DEFAULT_SCALEOUT_PEER_LATENCY_S = _NCCL["scaleout_peer_latency_s"]
+# Spec keys that override an engine's values (spec in us -> params in s).
+_SPEC_US = ("phase_latency", "nvlink_peer_latency", "scaleout_peer_latency")
 
 
 @dataclass(frozen=True)
 class FabricParams:
-    """Model knobs; ``from_spec`` takes a spec's optional overrides, else the calibrated defaults."""
+    """Model knobs; ``from_spec`` takes the engine's and transport's values from the parameter table, then
+    the spec's optional overrides, then the caller's."""
 
     nvlink_efficiency: float = DEFAULT_NVLINK_EFFICIENCY
     scaleout_efficiency: float = DEFAULT_SCALEOUT_EFFICIENCY
-    phase_latency_s: float = DEFAULT_PHASE_LATENCY_S
+    phase_latency_s: float = DEFAULT_PHASE_LATENCY_S  # nccl's fixed latency per phase, launch excluded
     nvlink_peer_latency_s: float = DEFAULT_NVLINK_PEER_LATENCY_S
     scaleout_peer_latency_s: float = DEFAULT_SCALEOUT_PEER_LATENCY_S
     rail_optimized: bool = True
     pxn: bool = True  # forward scale-out bytes over NVLink to the destination's rail (NCCL PXN)
     oversubscription: float = 1.0
     pod_gpus: int = 0  # GPUs under one leaf group; 0 = one non-blocking fabric (no uplink limit)
+    kernel: str = "nccl"  # transfer engine (commbench.fabric.engines.KERNELS)
+    transport: str = "infiniband"  # scale-out transport (commbench.inputs.specs.TRANSPORTS)
+    kernel_latency_s: float = 0.0  # GPU-initiated engines' fixed latency per phase (nccl: phase_latency_s)
+    sms: int = 0  # SMs a GPU-initiated kernel runs on; 0 = no per-SM bound
+    per_sm_GBps: float = _NCCL["per_sm_GBps"]
+    row_cost_s: float = _NCCL["row_cost_s"]  # SM time per row (token or selection) a GPU kernel handles
+    message_cost_s: float = 0.0  # per scale-out message, per NIC (a CPU-proxy transport's cost)
+    nics_per_gpu: int = 1
+    launch_s: float = _NCCL["launch_s"]  # per call, unless replayed from a CUDA graph
+    cuda_graph: bool = False
+    api_overhead_s: float = 0.0  # host time around the kernel when a call is timed through its Python API
+    rows_per_message: float = 1.0  # rows one scale-out message carries (normal kernels send chunks of rows)
 
     @classmethod
-    def from_spec(cls, spec: SystemSpec, **overrides: Any) -> FabricParams:
+    def from_spec(
+        cls, spec: SystemSpec, table: Mapping[str, float] | None = None, **overrides: Any
+    ) -> FabricParams:
+        """``table``: parameter values by name (a fit's), else calibration.yaml's."""
+        kernel = overrides.get("kernel") or "nccl"
+        transport = overrides.get("transport") or spec.transport
+        if kernel not in KERNELS or transport not in TRANSPORTS:  # before their table rows are looked up
+            cls(kernel=kernel, transport=transport).validate()
         values: dict[str, Any] = {
+            **engine_defaults(kernel, transport, table),
+            "kernel": kernel,
+            "transport": transport,
             "rail_optimized": spec.rail_optimized,
             "oversubscription": spec.oversubscription,
             "pod_gpus": spec.pod_gpus,
+            "nics_per_gpu": spec.nics_per_gpu,
+            # Per-selection messages leave from the GPU's own NIC (no NVLink hop to another rail).
+            "pxn": kernel != "low-latency",
         }
         for key in ("nvlink_efficiency", "scaleout_efficiency"):
             if getattr(spec, key) is not None:
                 values[key] = getattr(spec, key)
-        for key in ("phase_latency", "nvlink_peer_latency", "scaleout_peer_latency"):
+        for key in _SPEC_US:
             if getattr(spec, f"{key}_us") is not None:
                 values[f"{key}_s"] = getattr(spec, f"{key}_us") * 1e-6
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -86,7 +112,17 @@ class FabricParams:
         params.validate()
         return params
 
+    @property
+    def fixed_latency_s(self) -> float:
+        """The phase's fixed time: the launch (none from a CUDA graph) + the engine's fixed latency."""
+        base = self.phase_latency_s if self.kernel == "nccl" else self.kernel_latency_s
+        return base + self.api_overhead_s + (0.0 if self.cuda_graph else self.launch_s)
+
     def validate(self) -> None:
+        if self.kernel not in KERNELS:
+            raise UsageError(f"kernel {self.kernel!r} is not one of {', '.join(KERNELS)}")
+        if self.transport not in TRANSPORTS:
+            raise UsageError(f"transport {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
         for key in ("nvlink_efficiency", "scaleout_efficiency"):
             value = getattr(self, key)
             if not 0 < value <= 1:
@@ -97,7 +133,21 @@ class FabricParams:
             )
         if self.pod_gpus < 0:
             raise UsageError(f"pod_gpus must be >= 0 (0 = one pod), got {self.pod_gpus}")
-        for key in ("phase_latency_s", "nvlink_peer_latency_s", "scaleout_peer_latency_s"):
+        if self.sms < 0 or self.nics_per_gpu < 1 or self.per_sm_GBps <= 0 or self.rows_per_message < 1:
+            raise UsageError(
+                f"sms must be >= 0, nics_per_gpu >= 1, per_sm_GBps > 0, rows_per_message >= 1; got "
+                f"{self.sms}, {self.nics_per_gpu}, {self.per_sm_GBps:g}, {self.rows_per_message:g}"
+            )
+        for key in (
+            "phase_latency_s",
+            "nvlink_peer_latency_s",
+            "scaleout_peer_latency_s",
+            "kernel_latency_s",
+            "message_cost_s",
+            "launch_s",
+            "row_cost_s",
+            "api_overhead_s",
+        ):
             if getattr(self, key) < 0:
                 raise UsageError(f"{key} must be >= 0, got {getattr(self, key):g}")
 
@@ -121,7 +171,9 @@ class Fabric:
             fabric += f", {p.oversubscription:g}:1 oversubscribed above {p.pod_gpus}-GPU leaf groups"
         else:
             fabric += ", non-blocking"
-        return f"{self.spec.name}; {self.layout.describe()}; scale-out {fabric}"
+        engine = f"{p.kernel} engine" + (f" on {p.sms} SMs" if p.kernel != "nccl" and p.sms else "")
+        engine += ", CUDA graph" if p.cuda_graph else ""
+        return f"{self.spec.name}; {self.layout.describe()}; scale-out {fabric}, {p.transport}; {engine}"
 
 
 def make_fabric(
@@ -162,6 +214,10 @@ class LinkLoads:
     total_bytes: float = 0.0  # every byte of the phase, self included
     self_bytes: float = 0.0
     forwarded_bytes: float = 0.0  # NVLink bytes added by PXN forwarding (already inside ``bytes``)
+    # Messages each NIC side posts ([n, send/recv]): bytes / message size when the caller knows the message
+    # (a row per token or selection), else one per peer. A CPU-proxy transport pays a cost per message.
+    wire_messages: np.ndarray = field(default_factory=lambda: np.zeros((0, 2)))
+    message_bytes: float = 0.0  # one row's size when known (0: not known)
 
 
 @dataclass
@@ -170,7 +226,7 @@ class PhasePrediction:
 
     time_s: float
     bottleneck_rank: int  # -1 when a leaf uplink or the fixed latency limits
-    bottleneck_class: str  # "nvlink" | "scaleout" | "uplink" | "latency"
+    bottleneck_class: str  # "nvlink" | "scaleout" | "uplink" | "sm" | "latency"
     bottleneck_dir: str  # "send" | "recv" | ""
     bottleneck_bytes: float
     resource_time_s: dict[str, float]  # slowest rank per resource ("nvlink_send", ...), latency excluded
@@ -188,6 +244,8 @@ class PhasePrediction:
             return "latency (no bytes cross a link)"
         if self.bottleneck_class == "uplink":
             return f"leaf-group uplink {self.bottleneck_dir}"
+        if self.bottleneck_class == "sm":
+            return f"rank {self.bottleneck_rank} SM throughput"
         name = "NVLink" if self.bottleneck_class == "nvlink" else "scale-out NIC"
         return f"rank {self.bottleneck_rank} {name} {self.bottleneck_dir}"
 
@@ -237,8 +295,9 @@ def uniform_host_size(layout: Layout) -> int | None:
     return size
 
 
-def compute_loads(traffic: np.ndarray, fabric: Fabric) -> LinkLoads:
-    """Bytes and peers on every rank's NVLink and NIC, and on leaf uplinks, for one phase."""
+def compute_loads(traffic: np.ndarray, fabric: Fabric, message_bytes: float | None = None) -> LinkLoads:
+    """Bytes and peers on every rank's NVLink and NIC, and on leaf uplinks, for one phase.
+    ``message_bytes``: the size of one message (a token's row), when the engine sends one per row."""
     layout, p = fabric.layout, fabric.params
     n = layout.world_size
     t = _as_blocks(traffic, n)
@@ -283,7 +342,13 @@ def compute_loads(traffic: np.ndarray, fabric: Fabric) -> LinkLoads:
         msgs[:, SCALEOUT, RECV] = (scaleout > 0).sum(1).ravel()
 
     uplink_bytes, uplink_GBps = _uplinks(scaleout, fabric, per_host, use_pxn)
+    if message_bytes:
+        wire = np.ceil(loads[:, SCALEOUT, :] / float(message_bytes))
+    else:
+        wire = msgs[:, SCALEOUT, :].astype(np.float64)
     return LinkLoads(
+        wire_messages=wire,
+        message_bytes=float(message_bytes or 0.0),
         bytes=loads,
         messages=msgs,
         uplink_bytes=uplink_bytes,
@@ -320,7 +385,12 @@ def _uplinks(
 
 
 def predict_loads(loads: LinkLoads, fabric: Fabric) -> PhasePrediction:
-    """Phase time = fixed latency + slowest resource (bytes / (bw x eff) + peers x per-message latency)."""
+    """Phase time = fixed latency + slowest resource (docs/fabric-model.md, "Transfer engines").
+
+    A resource's time is bytes / (bw x eff) + its message latency: every peer in sequence for nccl, one
+    message for the GPU-initiated engines (their peers are in flight at once); a NIC side also pays the
+    transport's per-message cost over its NICs. A GPU-initiated kernel on ``sms`` SMs is one more resource
+    per rank: the bytes it sends or receives, whichever is more, over sms x per-SM rate."""
     p, spec = fabric.params, fabric.spec
     bandwidth = np.array(
         [
@@ -329,7 +399,11 @@ def predict_loads(loads: LinkLoads, fabric: Fabric) -> PhasePrediction:
         ]
     )
     latency = np.array([p.nvlink_peer_latency_s, p.scaleout_peer_latency_s])
-    rank_time = loads.bytes / (bandwidth[None, :, None] * 1e9) + loads.messages * latency[None, :, None]
+    messages = loads.messages if p.kernel == "nccl" else np.minimum(loads.messages, 1)
+    rank_time = loads.bytes / (bandwidth[None, :, None] * 1e9) + messages * latency[None, :, None]
+    if p.message_cost_s and loads.wire_messages.size:
+        wire = loads.wire_messages / (p.rows_per_message if loads.message_bytes else 1.0)
+        rank_time[:, SCALEOUT, :] += np.ceil(wire) * p.message_cost_s / p.nics_per_gpu
     resource = {
         f"{CLASS_NAMES[c]}_{DIRECTION_NAMES[d]}": float(rank_time[:, c, d].max(initial=0.0))
         for c in range(2)
@@ -350,11 +424,21 @@ def predict_loads(loads: LinkLoads, fabric: Fabric) -> PhasePrediction:
             slowest = float(uplink_time[leaf, direction])
             neck = ("uplink", -1, DIRECTION_NAMES[direction])
             neck_bytes = float(loads.uplink_bytes[leaf, direction])
+    if p.kernel != "nccl" and p.sms and loads.bytes.size:
+        handled = loads.bytes.sum(axis=1).max(axis=1)  # per rank: sent or received bytes, the larger
+        sm_time = handled / (p.sms * p.per_sm_GBps * 1e9)
+        if loads.message_bytes:  # and a fixed cost per row (FP8 rows cost more per byte than BF16 rows)
+            sm_time = sm_time + handled / loads.message_bytes * p.row_cost_s / p.sms
+        resource["sm"] = float(sm_time.max())
+        rank = int(np.argmax(sm_time))
+        if sm_time[rank] > slowest:
+            slowest, neck, neck_bytes = float(sm_time[rank]), ("sm", rank, ""), float(handled[rank])
     if slowest <= 0:
         neck, neck_bytes = ("latency", -1, ""), 0.0
     nvlink_bytes = float(loads.bytes[:, NVLINK, SEND].sum())
+    fixed = p.fixed_latency_s
     return PhasePrediction(
-        time_s=p.phase_latency_s + slowest if (slowest > 0 or p.phase_latency_s > 0) else 1e-9,
+        time_s=fixed + slowest if (slowest > 0 or fixed > 0) else 1e-9,
         bottleneck_rank=neck[1],
         bottleneck_class=neck[0],
         bottleneck_dir=neck[2],
@@ -370,9 +454,10 @@ def predict_loads(loads: LinkLoads, fabric: Fabric) -> PhasePrediction:
     )
 
 
-def predict_phase(traffic: np.ndarray, fabric: Fabric) -> PhasePrediction:
-    """Predicted time of one phase whose bytes are ``traffic`` ([src][dst], or [G, m, m] groups)."""
-    return predict_loads(compute_loads(traffic, fabric), fabric)
+def predict_phase(traffic: np.ndarray, fabric: Fabric, message_bytes: float | None = None) -> PhasePrediction:
+    """Predicted time of one phase whose bytes are ``traffic`` ([src][dst], or [G, m, m] groups);
+    ``message_bytes``: one message's size when the engine sends one per row (else one per peer)."""
+    return predict_loads(compute_loads(traffic, fabric, message_bytes), fabric)
 
 
 def balanced_traffic(world_size: int, bytes_per_peer: float) -> np.ndarray:

@@ -31,6 +31,9 @@ from commbench.errors import UsageError
 from commbench.inputs.userfiles import load_yaml_mapping, read_user_text, shorten
 
 DEFAULT_SPEC_NAME = "gb300-nvl72"
+# Scale-out transports the fabric model tells apart (efficiency, per-message cost: commbench/fabric/
+# calibration.yaml): RDMA InfiniBand, RDMA over Converged Ethernet, AWS EFA (SRD through a CPU proxy).
+TRANSPORTS = ("infiniband", "roce", "efa")
 # The spec of a run with nothing to compare with (a CPU run, an unknown GPU): every figure NaN.
 NO_SPEC_NAME = "none"
 
@@ -47,6 +50,7 @@ _KEYS: dict[str, tuple[type, bool]] = {
     "nvlink_links_per_gpu": (int, False),
     "aggregate_GBps_bidirectional": (float, False),
     "nics_per_gpu": (int, False),
+    "transport": (str, False),
     "rail_optimized": (bool, False),
     "oversubscription": (float, False),
     "pod_gpus": (int, False),
@@ -78,7 +82,10 @@ class SystemSpec:
     gpus_per_host: int = 0  # 0 = one host per domain (HGX servers)
     nvlink_links_per_gpu: int = 0  # 0 = not stated
     aggregate_GBps_bidirectional: float = 0.0  # 0 = gpus_per_domain x 2 x nvlink_GBps_per_direction
-    nics_per_gpu: int = 1  # informational: nic_Gbps_per_direction is already the GPU's total
+    # NICs sharing nic_Gbps_per_direction (already the GPU's total): a CPU-proxy transport's per-message cost
+    # is paid by each NIC's proxy in parallel (docs/fabric-model.md).
+    nics_per_gpu: int = 1
+    transport: str = "infiniband"  # one of TRANSPORTS: the scale-out transport's efficiency and message cost
     rail_optimized: bool = True
     oversubscription: float = 1.0  # scale-out leaf-to-spine oversubscription (1 = non-blocking)
     pod_gpus: int = 0  # GPUs under one leaf group; traffic leaving it shares uplinks (0 = one pod)
@@ -197,6 +204,8 @@ def _validated(data: Mapping[str, Any], where: str, source: str) -> SystemSpec:
         raise UsageError(
             f"{where}: oversubscription {spec.oversubscription:g} < 1; use 1 for a non-blocking fabric"
         )
+    if spec.transport not in TRANSPORTS:
+        raise UsageError(f"{where}: transport {spec.transport!r} is not one of {', '.join(TRANSPORTS)}")
     for key in ("nvlink_efficiency", "scaleout_efficiency"):
         value = getattr(spec, key)
         if value is not None and value > 1.0:

@@ -1,12 +1,16 @@
 import json
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
 
+from commbench.cli import cli
 from commbench.cli.fabric import simulate, topo
 from commbench.errors import UsageError
+from commbench.fabric.rackfit import RACK_PARAMETERS, balanced_phase, pair_phase, predicted_times
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -59,22 +63,101 @@ def test_simulate_bad_input(args, message):
     assert isinstance(result.exception, UsageError) and message in str(result.exception)
 
 
-def test_calibration_table_in_the_docs_is_current():
+def test_calibration_page_in_the_docs_is_current():
     result = CliRunner().invoke(simulate, ["--calibration"])
     assert result.exit_code == 0, result.output
-    table, notes, sources = result.output.strip().split("\n\n")
-    assert table in DOCS.joinpath("fabric-model.md").read_text(), (
-        "regenerate: commbench simulate --calibration"
-    )
-    assert "| GB300 2 racks x 16 trays (!)" in table and "+262% |" in table
-    assert notes.startswith("- (!) GB300 2 racks x 16 trays: not explained")
-    assert sources.startswith("Sources: ") and "DeepEP README" in sources
+    page = DOCS.joinpath("fabric-calibration.md").read_text()
+    assert result.output.strip() in page, "regenerate: commbench simulate --calibration (see the page's head)"
+    assert "## Accuracy per regime" in result.output and "| low_latency " in result.output
+    assert "| GB300 2 racks x 16 trays (!)" in result.output
+    assert "## Not modelled" in result.output and "no catalogue spec for GPU" in result.output
 
 
 def test_calibration_json_rows():
-    result = CliRunner().invoke(simulate, ["--calibration", "--json", "--tokens", "256"])
+    result = CliRunner().invoke(simulate, ["--calibration", "--json"])  # the rows of the page test, cached
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
-    assert len(rows) == 21 and all(row["source"] for row in rows)
+    assert len(rows) > 100 and all(row["source"] for row in rows)
+    assert {row["regime"] for row in rows} == {
+        "node_or_rack",
+        "nccl_multinode",
+        "ep_multinode",
+        "low_latency",
+    }
+    assert any(row["untrusted"] for row in rows)  # listed with its reason, not dropped
+    trusted = [row for row in rows if not row["untrusted"]]
+    assert all(row["loso_error_pct"] == row["loso_error_pct"] for row in trusted)  # every one held out once
     flagged = [row["case"] for row in rows if row["note"]]
     assert flagged == ["GB300 2 racks x 16 trays", "GB300 2 racks (128), 512 KiB"]
+
+
+# A CPU report folder of this host (4 gloo ranks, --ranks-per-domain 2: a balanced sweep and the pairwise
+# test), whose times the synthetic tests replace with the model's own.
+CPU_RACK = Path(__file__).resolve().parents[1] / "fabric" / "data" / "cpu-rack"
+KNOWN = np.array([2.0, 8.0, 200.0, 50.0, 30.0])  # GB/s, GB/s, us, us, us: NVLink limits the large sizes
+
+
+def _synthetic_folder(tmp_path, noise=0.02, pairs=True):
+    import pandas as pd
+
+    folder = tmp_path / "rack"
+    shutil.copytree(CPU_RACK, folder)
+    results = pd.read_csv(folder / "results.csv")
+    phases = [balanced_phase("", 4, 2, float(size), 1.0) for size in results["size_bytes"]]
+    frame = pd.read_csv(folder / "pairs.csv")
+    chosen = frame["test"].isin(["latency", "bandwidth"]) & (frame["link_class"] != "self")
+    for row in frame[chosen].itertuples():
+        phases.append(pair_phase("", 4, row.src, row.dst, row.link_class == "scaleout", row.size_bytes, 1.0))
+    rng = np.random.default_rng(7)
+    times = predicted_times(phases, KNOWN, 2, 2) * 1e6 * np.exp(rng.normal(0, noise, len(phases)))
+    results["time_us_p50"] = times[: len(results)]
+    results.to_csv(folder / "results.csv", index=False)
+    frame.loc[chosen, "time_us"] = times[len(results) :]
+    frame.to_csv(folder / "pairs.csv", index=False)
+    if not pairs:
+        (folder / "pairs.csv").unlink()
+    return folder
+
+
+def test_calibrate_recovers_the_parameters_of_a_synthetic_folder(tmp_path):
+    folder = _synthetic_folder(tmp_path)
+    args = ["--calibrate", str(folder), "--ranks", "4,8", "--tokens", "64", "--model", "qwen3-30b-a3b"]
+    result = CliRunner().invoke(simulate, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    fitted = data["parameters"]
+    for name, true in zip(RACK_PARAMETERS, KNOWN, strict=True):
+        value, sigma = fitted[name]["value"], fitted[name]["relative_sigma"]
+        assert abs(np.log(value / true)) < max(4 * sigma, 0.03), (name, value, true, sigma)
+    assert len(data["residuals"]) == 5 + 24  # 5 sweep sizes, 12 latency + 12 bandwidth pairs
+    assert [row["ranks"] for row in data["prediction"]] == [4, 4, 8, 8]
+    assert "CPU" in data["measured_on"] and "not a GPU fabric" in data["measured_on"]
+    text = CliRunner().invoke(simulate, args).output
+    assert "nvlink_GBps" in text and "16-84%" in text and "this host's CPU" in text
+
+
+def test_calibrate_on_the_real_cpu_folder_labels_it_this_host():
+    result = CliRunner().invoke(simulate, ["--calibrate", str(CPU_RACK), "--ranks", "4", "--tokens", "64"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("fit to 29 measured phases") and "not a GPU fabric" in result.output
+
+
+def test_calibrate_reads_the_moe_phases_of_a_run_with_their_per_rank_bytes():
+    # ranks.csv of a MoE run states no size: its rows match the result rows by case, phase and repeat.
+    moe = CPU_RACK.parent / "cpu-moe"
+    args = ["--calibrate", str(moe), "--calibrate", str(CPU_RACK), "--ranks", "4", "--tokens", "64", "--json"]
+    result = CliRunner().invoke(simulate, args)
+    assert result.exit_code == 0, result.output
+    phases = [row["phase"] for row in json.loads(result.output)["residuals"]]
+    assert phases[:2] == ["qwen3-30b-a3b dispatch 3874816 B", "qwen3-30b-a3b combine 3874816 B"]
+    assert len(phases) == 31
+
+
+def test_calibrate_refuses_a_folder_that_cannot_constrain_a_parameter(tmp_path):
+    folder = _synthetic_folder(tmp_path, noise=0.0, pairs=False)
+    args = ["simulate", "--calibrate", str(folder), "--ranks", "4", "--tokens", "64"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot constrain" in lines[0], result.stderr
+    assert any(name in lines[0] for name in RACK_PARAMETERS)

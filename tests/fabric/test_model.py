@@ -16,7 +16,7 @@ def test_balanced_one_domain_closed_form():
     p = fabric.params
     pred = predict_phase(balanced_traffic(n, B), fabric)
     expected = (
-        p.phase_latency_s + (n - 1) * B / (900e9 * p.nvlink_efficiency) + (n - 1) * p.nvlink_peer_latency_s
+        p.fixed_latency_s + (n - 1) * B / (900e9 * p.nvlink_efficiency) + (n - 1) * p.nvlink_peer_latency_s
     )
     assert pred.time_s == pytest.approx(expected, rel=1e-12)
     assert pred.bottleneck_class == "nvlink" and pred.scaleout_bytes == 0
@@ -34,7 +34,7 @@ def test_balanced_two_domains_closed_form_without_pxn():
     pred = predict_phase(balanced_traffic(n, B), fabric)
     nic = 4 * B / (100e9 * p.scaleout_efficiency) + 4 * p.scaleout_peer_latency_s
     nvlink = 3 * B / (900e9 * p.nvlink_efficiency) + 3 * p.nvlink_peer_latency_s
-    assert pred.time_s == pytest.approx(p.phase_latency_s + max(nic, nvlink), rel=1e-12)
+    assert pred.time_s == pytest.approx(p.fixed_latency_s + max(nic, nvlink), rel=1e-12)
     assert pred.bottleneck_class == "scaleout"
     assert pred.scaleout_bytes == n * 4 * B and pred.nvlink_bytes == n * 3 * B
 
@@ -76,7 +76,7 @@ def test_oversubscribed_leaf_uplink_limits():
     # Each 4-GPU pod sends 4 ranks x 4 remote-pod peers x B through 4 x 100 / 2 GB/s of uplink.
     uplink = 16 * B / (200e9 * p.scaleout_efficiency)
     assert pred.bottleneck_class == "uplink" and pred.bottleneck_rank == -1
-    assert pred.time_s == pytest.approx(p.phase_latency_s + uplink, rel=1e-12)
+    assert pred.time_s == pytest.approx(p.fixed_latency_s + uplink, rel=1e-12)
     assert (
         make_fabric("gb300-nvl72", n, ranks_per_domain=2, rail_optimized=False).params.oversubscription == 1
     )
@@ -102,7 +102,7 @@ def test_grouped_blocks_equal_the_block_diagonal_matrix():
 def test_no_link_bytes_costs_the_phase_latency():
     fabric = make_fabric("hgx-h100", 4)
     pred = predict_phase(np.diag([5.0, 5.0, 5.0, 5.0]), fabric)
-    assert pred.bottleneck_class == "latency" and pred.time_s == fabric.params.phase_latency_s
+    assert pred.bottleneck_class == "latency" and pred.time_s == fabric.params.fixed_latency_s
 
 
 def test_params_from_spec_and_validation(tmp_path):
@@ -112,7 +112,8 @@ def test_params_from_spec_and_validation(tmp_path):
     )
     params = FabricParams.from_spec(spec)
     assert params.nvlink_efficiency == 0.5 and params.phase_latency_s == 0
-    pred = predict_phase(balanced_traffic(4, B), make_fabric(spec, 4, nvlink_peer_latency_s=0.0))
+    fabric = make_fabric(spec, 4, nvlink_peer_latency_s=0.0, cuda_graph=True)
+    pred = predict_phase(balanced_traffic(4, B), fabric)
     assert pred.time_s == pytest.approx(3 * B / (100e9 * 0.5))
     with pytest.raises(UsageError, match="scaleout_efficiency"):
         make_fabric("gb300-nvl72", 8, scaleout_efficiency=0.0)
@@ -120,3 +121,47 @@ def test_params_from_spec_and_validation(tmp_path):
         make_fabric("gb300-nvl72", 8, pod_gpus=6, oversubscription=2.0)
     with pytest.raises(UsageError, match="covers 4 ranks"):
         predict_phase(balanced_traffic(4, B), make_fabric("gb300-nvl72", 8))
+
+
+def test_gpu_initiated_engines_overlap_the_per_peer_latency():
+    # 16 ranks in two domains, balanced: nccl pays every scale-out peer in sequence, the GPU-initiated
+    # engines one message latency per resource (their peers are in flight at once).
+    traffic = balanced_traffic(16, B)
+    nccl = make_fabric("hgx-h100", 16, rail_optimized=False)
+    normal = make_fabric("hgx-h100", 16, rail_optimized=False, kernel="normal", sms=0)
+    p, q = nccl.params, normal.params
+    so_bytes = 8 * B / (50e9 * p.scaleout_efficiency)
+    assert predict_phase(traffic, nccl).time_s == pytest.approx(
+        p.fixed_latency_s + so_bytes + 8 * p.scaleout_peer_latency_s, rel=1e-12
+    )
+    assert predict_phase(traffic, normal).time_s == pytest.approx(
+        q.fixed_latency_s + so_bytes + q.scaleout_peer_latency_s, rel=1e-12
+    )
+    assert q.fixed_latency_s == q.kernel_latency_s + q.launch_s
+
+
+def test_sm_bound_and_row_cost_of_a_normal_kernel():
+    fabric = make_fabric("hgx-h100", 8, kernel="normal", sms=4, per_sm_GBps=10.0, row_cost_s=1e-6)
+    row = 1000.0
+    pred = predict_phase(balanced_traffic(8, B), fabric, message_bytes=row)
+    handled = 7 * B  # bytes each rank sends (and receives) over NVLink; self traffic never leaves the GPU
+    sm = handled / (4 * 10e9) + handled / row * 1e-6 / 4
+    assert pred.bottleneck_class == "sm" and pred.bottleneck == "rank 0 SM throughput"
+    assert pred.time_s == pytest.approx(fabric.params.fixed_latency_s + sm, rel=1e-12)
+
+
+def test_efa_message_cost_is_shared_by_the_nics_and_a_cuda_graph_drops_the_launch():
+    traffic = balanced_traffic(16, B)
+    base = {"rail_optimized": False, "kernel": "low-latency", "message_cost_s": 1e-6}
+    one = make_fabric("hgx-h100", 16, transport="efa", **base)
+    two = make_fabric("hgx-h100", 16, transport="efa", nics_per_gpu=2, **base)
+    t1 = predict_phase(traffic, one, message_bytes=B / 100).time_s
+    t2 = predict_phase(traffic, two, message_bytes=B / 100).time_s
+    assert t1 - t2 == pytest.approx(8 * 100 * 1e-6 / 2, rel=1e-9)  # 800 messages, half the cost each
+    assert one.params.scaleout_efficiency != make_fabric("hgx-h100", 16, **base).params.scaleout_efficiency
+    graph = make_fabric("hgx-h100", 16, transport="efa", cuda_graph=True, **base)
+    assert t1 - predict_phase(traffic, graph, message_bytes=B / 100).time_s == pytest.approx(
+        one.params.launch_s
+    )
+    with pytest.raises(UsageError, match="transport 'tcp'"):
+        make_fabric("hgx-h100", 16, transport="tcp")

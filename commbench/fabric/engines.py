@@ -1,0 +1,91 @@
+"""Transfer engines and the model's physical parameters (``calibration.yaml``'s ``parameters``, each sourced).
+
+An engine is how a library moves a phase's bytes (docs/fabric-model.md, "Transfer engines"):
+
+- ``nccl``: host-initiated collectives (NCCL all-to-all(v) as grouped send/recv). Every peer costs a
+  per-message latency in sequence on each resource, plus one fixed phase latency.
+- ``normal``: GPU-initiated throughput kernels (DeepEP normal, Hybrid-EP, UCCL-EP normal), which send each
+  token once per destination node over the NIC and fan it out over NVLink there (``--send-mode node``). All
+  peers are in flight at once, so the per-peer latency overlaps (one message latency, not one per peer);
+  the kernel runs on ``sms`` SMs, each moving at most ``per_sm_GBps``.
+- ``low-latency``: GPU-initiated per-selection messages (DeepEP low-latency, pplx, UCCL-EP low-latency):
+  one message per (token, expert), issued in parallel, each from the GPU's own NIC (no PXN hop). Latency is
+  a fixed kernel latency + the busiest link's bytes, nearly flat in EP size.
+
+The scale-out transport sets the NIC efficiency and a per-message cost: InfiniBand and RoCE messages are
+posted by the NIC's hardware queues (negligible per message at these sizes); EFA is driven through a CPU proxy
+(UCCL-EP) or libfabric, which pays a per-message cost, shared by the GPU's NICs in parallel. A CUDA-graph
+replay has no per-call launch cost. Every value, its unit and its source live in ``calibration.yaml``; the
+fitted ones say what they were fitted on.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+KERNELS = ("nccl", "normal", "low-latency")
+# The send mode each engine moves (traffic.pattern.SEND_MODES): what its bytes per link are.
+KERNEL_SEND_MODE = {"nccl": "token", "normal": "node", "low-latency": "selection"}
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One physical parameter: its value in SI units (seconds, bytes/s as GB/s, fractions), and its source."""
+
+    name: str
+    value: float
+    unit: str
+    source: str
+    fitted: bool = False  # fitted on the calibration cases (the source names them) rather than a datasheet
+
+
+def _read_parameters() -> dict[str, Parameter]:
+    import yaml  # calibration.yaml is package data, not user input: the plain safe loader
+
+    text = resources.files("commbench.fabric").joinpath("calibration.yaml").read_text(encoding="utf-8")
+    table = {}
+    for name, entry in (yaml.safe_load(text).get("parameters") or {}).items():
+        table[name] = Parameter(
+            name, float(entry["value"]), str(entry["unit"]), str(entry["source"]), bool(entry.get("fitted"))
+        )
+    return table
+
+
+@functools.lru_cache(maxsize=1)
+def parameters() -> dict[str, Parameter]:
+    """The parameter table of ``calibration.yaml`` by name (``scaleout_efficiency.efa``, ...)."""
+    return _read_parameters()
+
+
+def table_values() -> dict[str, float]:
+    """Every parameter's value by name, in the unit calibration.yaml states (us, GB/s, fraction, count)."""
+    return {name: entry.value for name, entry in parameters().items()}
+
+
+def engine_defaults(kernel: str, transport: str, table: Mapping[str, float] | None = None) -> dict[str, Any]:
+    """FabricParams values of an engine on a transport (us -> s), from ``table`` (a fit's values) or the
+    parameter table of ``calibration.yaml``."""
+    values = table_values() if table is None else {**table_values(), **table}
+
+    def value(name: str) -> float:
+        return values[name]
+
+    us = 1e-6
+    return {
+        "nvlink_efficiency": value("nvlink_efficiency"),
+        "scaleout_efficiency": value(f"scaleout_efficiency.{transport}"),
+        "phase_latency_s": value("nccl.phase_latency_us") * us,
+        "nvlink_peer_latency_s": value("nccl.nvlink_peer_latency_us") * us,
+        "scaleout_peer_latency_s": value("nccl.scaleout_peer_latency_us") * us,
+        "kernel_latency_s": value(f"{kernel}.kernel_latency_us") * us if kernel != "nccl" else 0.0,
+        "sms": int(value(f"{kernel}.sms")) if kernel != "nccl" else 0,
+        "per_sm_GBps": value("per_sm_GBps"),
+        "row_cost_s": value("row_cost_us") * us,
+        "message_cost_s": value(f"message_cost_us.{transport}") * us,
+        "launch_s": value("launch_us") * us,
+        "rows_per_message": value("normal.rows_per_message") if kernel == "normal" else 1.0,
+    }
