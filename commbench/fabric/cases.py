@@ -15,8 +15,9 @@ import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from importlib import resources
 from typing import Any
+
+from commbench.inputs.userfiles import load_package_yaml
 
 # What a published figure is (calibration.yaml's header defines each); the engine that produced it.
 KIND_KERNEL = {
@@ -110,13 +111,7 @@ class NotModelled:
 
 
 def _read(file_name: str) -> dict[str, Any]:
-    import yaml  # package data, not user input: the plain safe loader (published.yaml has ~20,000 values)
-
-    root = resources.files("commbench.fabric").joinpath(file_name)
-    if not root.is_file():
-        return {}
-    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-    return yaml.load(root.read_text(encoding="utf-8"), Loader=loader) or {}  # noqa: S506 (a safe loader)
+    return load_package_yaml("commbench.fabric", file_name)
 
 
 def _own_cases(data: Mapping[str, Any]) -> list[CalibrationCase]:

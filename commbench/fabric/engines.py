@@ -24,8 +24,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
+
+from commbench.inputs.userfiles import load_package_yaml
 
 KERNELS = ("nccl", "normal", "low-latency")
 # The send mode each engine moves (traffic.pattern.SEND_MODES): what its bytes per link are.
@@ -44,11 +45,9 @@ class Parameter:
 
 
 def _read_parameters() -> dict[str, Parameter]:
-    import yaml  # calibration.yaml is package data, not user input: the plain safe loader
-
-    text = resources.files("commbench.fabric").joinpath("calibration.yaml").read_text(encoding="utf-8")
     table = {}
-    for name, entry in (yaml.safe_load(text).get("parameters") or {}).items():
+    entries = load_package_yaml("commbench.fabric", "calibration.yaml").get("parameters") or {}
+    for name, entry in entries.items():
         table[name] = Parameter(
             name, float(entry["value"]), str(entry["unit"]), str(entry["source"]), bool(entry.get("fitted"))
         )

@@ -342,6 +342,20 @@ def load_yaml(text: str, origin: str) -> Any:
             loader.dispose()
 
 
+def load_package_yaml(package: str, name: str) -> Any:
+    """A YAML file shipped inside ``package`` (package data such as the fabric model's published figures,
+    never a path a user names): PyYAML's safe loader, in C where built, ``{}`` when the file is not shipped.
+    The one YAML parse outside the bounded loader: shipped files are reviewed with the code, and the
+    largest (published.yaml, ~20,000 values) would take seconds under the bounded pure-Python loader."""
+    from importlib import resources
+
+    file = resources.files(package).joinpath(name)
+    if not file.is_file():
+        return {}
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load(file.read_text(encoding="utf-8"), Loader=loader) or {}  # noqa: S506 (a safe loader)
+
+
 def load_json(
     path: str | os.PathLike[str], what: str, max_bytes: int, hint: str, prefix: str = ""
 ) -> tuple[Any, str]:
