@@ -165,6 +165,10 @@ class Comm:
         if self.progress is not None:
             self.progress[self.rank] = time.monotonic()
 
+    def quiet(self) -> contextlib.AbstractContextManager[None]:
+        """A timed window: this process's heartbeat thread stays asleep inside it (``RankMonitor.quiet``)."""
+        return self.liveness.quiet() if self.liveness is not None else contextlib.nullcontext()
+
     def barrier(self) -> None:
         with self.guard("barrier"):
             if self.process_group == "nccl":

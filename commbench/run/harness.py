@@ -18,11 +18,15 @@ timing covers every timed iteration (``RunOptions.check``): the backend fills it
 sentinel before each one (``Backend.poison_receive_buffers``), so a call that moves nothing cannot pass on
 the previous iteration's bytes; then ``checksum`` (default) compares a checksum of each iteration's output
 with the expected one and verifies the last iteration in full, ``every`` verifies every iteration in full
-(``Phase.check``; refused with window timing). Nothing of this runs inside the timed region. ``wrong`` sums
-every rank's checked outputs; a backend that moves no data (mock, sim) is not checked and its rows say
-#wrong None (n/a). A job with wrong > 0 still writes its rows, then every rank raises VerificationError. A
-phase's rows (``run.rows``) take their bytes from the job's Pattern (the pattern ``commbench pattern``
-prints) and their times from every rank's samples.
+(``Phase.check``; refused with window timing). Nothing of this runs inside the timed region, and no thread
+of ours wakes there: the timed loop runs inside ``comm.quiet()``, where the rank's heartbeat thread sleeps
+(``RankMonitor.quiet``: one beat as it opens, then one per three beat intervals of a longer loop), so the
+timed calls do not share the GIL or a core with it; inside a window a call's only extra work is its
+arrival/wait bookkeeping (two clock reads) and one progress store for the launcher's hang watchdog.
+``wrong`` sums every rank's checked outputs; a backend that moves no data (mock, sim) is not checked and its
+rows say #wrong None (n/a). A job with wrong > 0 still writes its rows, then every rank raises
+VerificationError. A phase's rows (``run.rows``) take their bytes from the job's Pattern (the pattern
+``commbench pattern`` prints) and their times from every rank's samples.
 
 The balanced sweep times each size out-of-place (checked as above) and then, where the backend has one
 (``Backend.in_place``), in place: the same exchange with one buffer as input and output, nccl-tests' in-place
@@ -46,6 +50,7 @@ derives what the skew alone costs.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -244,10 +249,11 @@ def bench(
             comm.barrier()
             phase.call()
             backend.synchronize()
-        if job.timing == "window":  # timed loop
-            seconds, output = _timed_window(comm, backend, calls, job.iters, checking)
-        else:
-            seconds, output = _timed_iterations(comm, backend, calls, job.iters, mode, wrong)
+        with _quiet(comm):  # timed loop: no thread of ours wakes inside it
+            if job.timing == "window":
+                seconds, output = _timed_window(comm, backend, calls, job.iters, checking)
+            else:
+                seconds, output = _timed_iterations(comm, backend, calls, job.iters, mode, wrong)
     if checking:
         if opts.corrupt == phase.corrupted_by and comm.rank == 0:
             phase.corrupt(output)
@@ -267,6 +273,12 @@ def bench(
     per_output = np.array([g[1] for g in gathered], dtype=np.int64).sum(axis=0)
     wrong_total, wrong_iters = int(per_output.sum()), int(np.count_nonzero(per_output))
     return Measured(times, wrong_total, wrong_iters, arrival, wait, profile)
+
+
+def _quiet(comm: Any) -> contextlib.AbstractContextManager[None]:
+    """``comm.quiet()`` (the heartbeat thread asleep through the timed loop), where the comm has one."""
+    quiet = getattr(comm, "quiet", None)
+    return quiet() if quiet is not None else contextlib.nullcontext()
 
 
 class _TimedCalls:

@@ -4,7 +4,10 @@ Each rank runs one daemon thread (``RankMonitor``) that publishes a heartbeat (`
 ``beat_interval_s`` on a board (shared memory for spawned ranks, the group's c10d store under torchrun or
 Slurm). The thread runs while the main thread is blocked in a collective, so a waiting rank stays fresh and
 a stopped (SIGSTOP), frozen or vanished rank goes stale: a rank whose collective fails names the stale or
-departed peers (``RankMonitor.peers_text``).
+departed peers (``RankMonitor.peers_text``). Inside a timed window (``RankMonitor.quiet``) the thread does
+not wake, so it takes neither the GIL nor a core from the timed calls: one beat as the window opens, then
+one per ``quiet_bound_s`` (three intervals, under the staleness bound of four and a half) of a longer one;
+a stop signal still wakes it at once.
 
 Stop signals (SIGINT, SIGTERM, SIGHUP): the first one raises ``StoppedError`` in the main thread at the next
 Python instruction (deferred inside ``deferred_stop()`` blocks, e.g. while rank 0 writes rows, so files
@@ -253,6 +256,9 @@ class RankMonitor:
         self._timeout_s = 0.0
         self._on_hang: Callable[[CommError], None] = _report_hang
         self._hung = False
+        # A timed window is open (``quiet``): the thread sleeps until it closes, or beats once per
+        # ``quiet_bound_s`` in a long one; 0.0 = no window.
+        self._quiet_until = 0.0
         self._thread = threading.Thread(target=self._loop, name="commbench-heartbeat", daemon=True)
 
     @classmethod
@@ -326,6 +332,39 @@ class RankMonitor:
         if self._stack:
             self._stack.pop()
         self._changed = time.monotonic()
+
+    def quiet_bound_s(self) -> float:
+        """The longest the thread stays asleep inside a timed window: three beat intervals, so a peer still
+        sees a fresh beat (stale after ``stale_after_s``: four intervals and a half) and the hang and
+        launcher checks run at least that often."""
+        return 3.0 * self.interval_s
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """A timed window (main thread): one beat now, then the heartbeat thread does not wake while the
+        block runs (it would take the GIL and a core from the timed call), except once per
+        ``quiet_bound_s`` of a longer block. A stop signal still wakes it at once."""
+        self._publish()
+        self._quiet_until = time.monotonic() + self.quiet_bound_s()
+        try:
+            yield
+        finally:
+            self._quiet_until = 0.0
+
+    def _sleep_s(self) -> float:
+        """How long the thread sleeps next: until the open window's bound, else one beat interval."""
+        left = self._quiet_until - time.monotonic()
+        return left if left > 0.0 else self.interval_s
+
+    def _quiet_now(self) -> bool:
+        """Inside a timed window whose bound has not passed (a long window's bound then moves on)."""
+        if not self._quiet_until or self.stop_at is not None:
+            return False
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return True
+        self._quiet_until = now + self.quiet_bound_s()  # still open: beat now, then sleep again
+        return False
 
     def watch_progress(
         self,
@@ -435,7 +474,7 @@ class RankMonitor:
     def _loop(self) -> None:
         while not self._closed.is_set():
             with contextlib.suppress(OSError, ValueError):
-                ready, _, _ = select.select([self._wake_r], [], [], self.interval_s)
+                ready, _, _ = select.select([self._wake_r], [], [], self._sleep_s())
                 if ready:
                     received = os.read(self._wake_r, 64)
                     stops = [s for s in received if s in {int(sig) for sig in STOP_SIGNALS}]
@@ -445,6 +484,8 @@ class RankMonitor:
                         self._hard_signum = stops[0]
             if self._closed.is_set():
                 return
+            if self._quiet_now():  # woke (a timeout set before the window opened) inside a timed window
+                continue
             self._publish()
             if self.stop_at is None and self.launcher_gone():
                 os.kill(os.getpid(), signal.SIGTERM)  # the launcher is gone (PDEATHSIG not set or lost)
