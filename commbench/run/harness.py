@@ -19,10 +19,8 @@ sentinel before each one (``Backend.poison_receive_buffers``), so a call that mo
 the previous iteration's bytes; then ``checksum`` (default) compares a checksum of each iteration's output
 with the expected one and verifies the last iteration in full, ``every`` verifies every iteration in full
 (``Phase.check``; refused with window timing). Nothing of this runs inside the timed region, and no thread
-of ours wakes there: the timed loop runs inside ``comm.quiet()``, where the rank's heartbeat thread sleeps
-(``RankMonitor.quiet``: one beat as it opens, then one per three beat intervals of a longer loop), so the
-timed calls do not share the GIL or a core with it; inside a window a call's only extra work is its
-arrival/wait bookkeeping (two clock reads) and one progress store for the launcher's hang watchdog.
+of ours wakes there (``comm.quiet()``: ``RankMonitor.quiet``); a call's only extra work in a window is two
+clock reads and one progress store for the launcher's hang watchdog.
 ``wrong`` sums every rank's checked outputs; a backend that moves no data (mock, sim) is not checked and its
 rows say #wrong None (n/a). A job with wrong > 0 still writes its rows, then every rank raises
 VerificationError. A phase's rows (``run.rows``) take their bytes from the job's Pattern (the pattern
@@ -104,8 +102,7 @@ Sink = Callable[[list[dict], list[dict]], None]
 Emit = Callable[..., None]  # (row, rank rows, the Measured it came from)
 Profiler = Callable[[PhaseProfile], None]
 UNCHECKED = "n/a"  # the check of what is not verified: a backend that moves no data, the in-place all-to-all
-# The results-row keys that name a profiled phase in profile.csv, arrivals.csv and trace.json.
-PROFILE_CASE_KEYS = CASE_FIELDS
+PROFILE_CASE_KEYS = CASE_FIELDS  # the results-row keys naming a profiled phase (profile.csv, trace.json, ...)
 
 
 @dataclass(frozen=True)
@@ -233,9 +230,8 @@ def bench(
 ) -> Measured:
     """Warm up, time ``job.iters`` calls the job's way and check them (see the module docstring); every
     rank's times, arrivals and #wrong, gathered. ``opts.corrupt`` (the test hook) changes the last output on
-    rank 0 before its full check; ``opts.inject_delay`` (the other test hook) delays a rank's timed calls.
-    A phase without a check (the in-place all-to-all, whose output is undefined) is timed alone: no poison,
-    no check, #wrong None."""
+    rank 0 before its full check; ``opts.inject_delay`` (the other test hook) delays a rank's timed calls. A
+    phase without a check (in-place all-to-all: undefined output) is timed alone: no poison, #wrong None."""
     mode = check_label(backend, opts, job.timing) if phase.check is not None else UNCHECKED
     checking = mode in (*CHECK_MODES, CHECK_WINDOW_LAST)
     wrong: list[int] = []  # this rank's count per checked output
@@ -249,7 +245,7 @@ def bench(
             comm.barrier()
             phase.call()
             backend.synchronize()
-        with _quiet(comm):  # timed loop: no thread of ours wakes inside it
+        with getattr(comm, "quiet", contextlib.nullcontext)():  # the timed loop: our threads asleep
             if job.timing == "window":
                 seconds, output = _timed_window(comm, backend, calls, job.iters, checking)
             else:
@@ -273,12 +269,6 @@ def bench(
     per_output = np.array([g[1] for g in gathered], dtype=np.int64).sum(axis=0)
     wrong_total, wrong_iters = int(per_output.sum()), int(np.count_nonzero(per_output))
     return Measured(times, wrong_total, wrong_iters, arrival, wait, profile)
-
-
-def _quiet(comm: Any) -> contextlib.AbstractContextManager[None]:
-    """``comm.quiet()`` (the heartbeat thread asleep through the timed loop), where the comm has one."""
-    quiet = getattr(comm, "quiet", None)
-    return quiet() if quiet is not None else contextlib.nullcontext()
 
 
 class _TimedCalls:
@@ -373,9 +363,7 @@ def _timed_window(
         calls.left()
         if backend.emulated:  # a class attribute: real backends read no modelled time inside the window
             modelled.append(backend.modelled_seconds())
-        # The launcher's hang watchdog wants progress every 2 x timeout + 5 s, which a window of many slow
-        # calls can exceed; one shared-memory store (~0.1 us) against >= 10 us of host work a call.
-        comm.heartbeat()
+        comm.heartbeat()  # a long window outlasts the hang bound (2 x timeout + 5 s): one ~0.1 us store
     timer.stop(backend.synchronize)
     known = [m for m in modelled if m is not None]
     if modelled and len(known) == len(modelled):

@@ -34,19 +34,21 @@ import torch
 from commbench.errors import CommbenchError, CommError, StoppedError, VerificationError, signal_name
 from commbench.run.comm import hang_bound_s, init_comm, shutdown_comm
 from commbench.run.heartbeats import Beat, SharedBoard, beat_interval_s, stale_after_s
-from commbench.run.liveness import (
+from commbench.run.liveness import STOP_GRACE_S, STOP_SIGNALS, RankMonitor
+from commbench.run.outcomes import OutcomeReader, RankFailure, check_temp_dir, send_outcome
+from commbench.run.processes import (
     LAUNCH_ID_VARIABLE,
     STATE_WORDS,
-    STOP_GRACE_S,
-    STOP_SIGNALS,
-    RankMonitor,
+    MultiprocessingScratch,
     die_with_parent,
+    fork_server_context,
+    leave_the_fork_server,
     matplotlib_dir_for,
     name_process,
     process_state,
     remove_scratch,
+    stop_fork_server,
 )
-from commbench.run.outcomes import OutcomeReader, RankFailure, check_temp_dir, send_outcome
 
 # Seconds a spawned rank may take to start (interpreter + torch import) before the watchdog gives up on it.
 _STARTUP_BOUND_S = 120.0
@@ -134,6 +136,7 @@ def _worker(
     the pipe the launcher made for it (``outcome``, run.outcomes)."""
     name_process(f"commbench-r{rank}")
     die_with_parent(signal.SIGTERM)
+    leave_the_fork_server()
 
     def clean_up_for_the_launcher() -> None:
         if monitor.launcher_gone():  # nobody is left to remove the launch's scratch files
@@ -191,15 +194,16 @@ def _worker(
 def spawn(
     world_size: int, entry: Callable[..., Any], args: tuple[Any, ...], process_group: str, timeout_s: float
 ) -> Any:
-    """Run ``entry(comm, *args)`` in ``world_size`` spawned local processes; rank 0's return value."""
-    import multiprocessing
+    """Run ``entry(comm, *args)`` in ``world_size`` local processes forked by a fork server that imported
+    torch and commbench once (spawned where the platform has none); rank 0's return value."""
     from multiprocessing import resource_tracker
 
-    context = multiprocessing.get_context("spawn")
+    context = fork_server_context(entry)
     progress = context.Array("d", world_size, lock=False)  # 0.0 = not started yet
     board = SharedBoard(world_size, context)
     launch_id = os.urandom(6).hex()
     check_temp_dir()  # the ranks' scratch files and multiprocessing's own live there
+    multiprocessing_dir = MultiprocessingScratch(launch_id)
     matplotlib_dir = matplotlib_dir_for(launch_id)
     if matplotlib_dir is not None:  # inherited by the ranks; removed with the launch's scratch
         os.environ["MPLCONFIGDIR"] = matplotlib_dir
@@ -252,6 +256,8 @@ def spawn(
     finally:
         _kill(processes)
         signals.restore()
+        stop_fork_server()
+        multiprocessing_dir.close()
         remove_scratch(launch_id)
         if matplotlib_dir is not None and os.environ.get("MPLCONFIGDIR") == matplotlib_dir:
             del os.environ["MPLCONFIGDIR"]

@@ -29,7 +29,8 @@ from commbench.run.heartbeats import (
     exit_if_stranded,
 )
 from commbench.run.launcher import launch_error
-from commbench.run.liveness import KeepAlive, RankMonitor, deferred_stop, process_state, remove_scratch
+from commbench.run.liveness import KeepAlive, RankMonitor, deferred_stop
+from commbench.run.processes import process_state, remove_scratch
 from tests.run.processes import Lines, free_port, kill_marked, new_mark, run_env, start_torchrun_style
 
 TIMEOUT_S = 4.0  # collective timeout of the hang tests: a stopped rank is stale long before it
