@@ -4,9 +4,9 @@ Per phase (dispatch, combine, or the balanced "alltoall") every rank runs ``warm
 ``barrier -> phase call -> synchronize``, then times ``iters`` calls the job's way (``job.timing``):
 
 * "window" (the balanced sweep's default, nccl-tests' way): poison receive buffers -> synchronize ->
-  barrier -> [start timer] -> ``iters`` back-to-back calls -> [stop timer] -> synchronize; each rank's
-  seconds per iteration = window / iters, one sample per rank. The calls overwrite the same receive buffers
-  (as in nccl-tests), so only the window's final output is verified, byte for byte (check "window-last").
+  barrier -> [start timer] -> ``iters`` back-to-back calls -> [stop timer] -> synchronize (-> barrier when
+  checked); each rank's seconds per iteration = window / iters, one sample per rank. The calls overwrite the
+  same receive buffers (as in nccl-tests): only the final output is verified, in full ("window-last").
 * "iteration" (the MoE phases' default): per iteration poison receive buffers -> synchronize -> barrier ->
   [start timer] -> phase call -> [stop timer] -> synchronize -> barrier -> check this iteration's output;
   one sample per iteration.
@@ -26,18 +26,16 @@ rows say #wrong None (n/a). A job with wrong > 0 still writes its rows, then eve
 VerificationError. A phase's rows (``run.rows``) take their bytes from the job's Pattern (the pattern
 ``commbench pattern`` prints) and their times from every rank's samples.
 
-The balanced sweep times each size out-of-place (checked as above) and then, where the backend has one
-(``Backend.in_place``), in place: the same exchange with one buffer as input and output, nccl-tests' in-place
-alltoall, timed the same way (same warm-up, iterations and timing mode) and never checked, its output being
-undefined; its row gets ``in_place_time_us_mean`` (``run.rows.in_place_columns``), NaN where not run.
+The balanced sweep times each size out-of-place (checked as above), then where the backend has one
+(``Backend.in_place``) in place, nccl-tests' in-place alltoall (one buffer in and out), timed the same way and
+never checked (undefined output): the row's ``in_place_time_us_mean`` (``run.rows.in_place_columns``).
 
 Every timed call also records the rank's arrival: host time from the call's common start (the barrier,
 or the previous call's return in a window) until it entered the call; ranks.csv carries its p50 per rank
-(``arrival_us_p50``), which the verdict's slow-rank rule judges. The ``--inject-delay`` test hook
-(``RunOptions.inject_delay``) sleeps before each timed call of one rank, inside the timer.
+(``arrival_us_p50``), which the verdict's slow-rank rule judges. ``--inject-delay`` (a test hook) sleeps
+before each timed call of one rank, inside the timer.
 
-Knob sweeps: consecutive jobs with the same effective backend options (``job_backend_options``) share one
-backend; the previous one is closed before the next setting's backend is built.
+Knob sweeps: consecutive jobs of one effective knob setting share a backend, the previous one closed first.
 
 Imbalance cost (``RunOptions.imbalance_cost``): after an MoE job's two phases the same launch runs both phases
 again through the same runner (``phases.MoeLayer``, same backend calls, same checks) on a balanced layout of
@@ -365,6 +363,8 @@ def _timed_window(
             modelled.append(backend.modelled_seconds())
         comm.heartbeat()  # a long window outlasts the hang bound (2 x timeout + 5 s): one ~0.1 us store
     timer.stop(backend.synchronize)
+    if checking:  # as in iteration timing: no rank's check takes a core from a peer still in its window
+        comm.barrier()
     known = [m for m in modelled if m is not None]
     if modelled and len(known) == len(modelled):
         return [sum(known) / iters], output
