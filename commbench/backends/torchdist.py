@@ -1,9 +1,10 @@
 """torch.distributed ``all_to_all_single`` with uneven splits: the same code on NCCL (GPU) and gloo (CPU).
 
-Dispatch packs the token rows of the plan (index_select into a preallocated send buffer) and exchanges them;
-combine sends the expert outputs back with the reverse splits and reduces them into token order with
-``index_add_`` in float32. Buffers grow on the first (warm-up) call and are reused after, so timed
-iterations do not allocate; the harness poisons both receive buffers before each timed iteration.
+Dispatch packs the token rows of the plan (index_select into a preallocated send buffer; balanced rows go as
+they are) and exchanges them; combine sends the expert outputs back with the reverse splits and reduces them
+into token order with ``index_add_`` in float32. Buffers grow on the first (warm-up) call and are reused
+after, so timed iterations do not allocate (a receive buffer whose size the plan states is made at
+``setup``); the harness poisons both receive buffers before each timed iteration.
 ``NcclBackend`` and ``GlooBackend`` are this code on their process group, each describing itself. The balanced
 sweep's in-place run (``dispatch_in_place``) is the same call with one tensor as input and output, as
 nccl-tests' in-place alltoall passes one buffer to NCCL; torch.distributed passes it through to NCCL and gloo
@@ -66,12 +67,19 @@ class TorchDistBackend(DeclaredOptions, Backend):
         device = self.comm.device
         self._plan = plan
         self._send_splits = plan.send_splits
-        self._send_buffer = torch.empty(
-            (plan.num_send_rows, plan.dispatch_row_bytes), dtype=torch.uint8, device=device
-        )
+        if plan.send_mode != "balanced":  # balanced rows are sent as they are: nothing to pack into
+            self._send_buffer = torch.empty(
+                (plan.num_send_rows, plan.dispatch_row_bytes), dtype=torch.uint8, device=device
+            )
         static = plan.static_recv_counts
         self._static_recv_splits = None if static is None else static.sum(dim=1).tolist()
         self._cached_counts = None
+        if self._static_recv_splits is not None:
+            # Known now: the receive buffer is made here, so no timed call allocates (even with --warmup 0).
+            self._recv_buffer = grown_buffer(
+                self._recv_buffer, sum(self._static_recv_splits), (plan.dispatch_row_bytes,), torch.uint8,
+                device,
+            )  # fmt: skip
 
     def _recv_splits(self, recv_counts: torch.Tensor) -> list[int]:
         """Per-source row counts on the host (a device sync on GPU), reused while the counts are unchanged."""

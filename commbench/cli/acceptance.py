@@ -176,13 +176,14 @@ def confirm_slow_ranks(
 ) -> list[SpreadOutcome]:  # fmt: skip
     """Collective: rank 0 judges the arrival spread of every case; every rank reruns the flagged cases
     ``confirm_reruns`` times; rank 0 returns one outcome per case (others: [])."""
-    from commbench.report.judge.outliers import confirm, needs_rerun
     from commbench.run.harness import run_jobs
 
     plan: tuple[list[tuple[Any, ...]], list[Job], int] | None = None
     firsts: list[CaseSpread] = []
     limits = acceptance.limits if comm.rank == 0 else None  # only rank 0 judges
     if limits is not None:
+        from commbench.report.judge.outliers import confirm, needs_rerun  # pandas: the judging rank only
+
         firsts = arrival_spreads(rank_rows, limits)
         flagged = list(dict.fromkeys(spread.key for spread in needs_rerun(firsts, limits.spread)))
         jobs_again = _rerun_jobs(jobs, rank_rows, set(flagged)) if flagged else []

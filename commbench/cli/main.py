@@ -130,4 +130,27 @@ for _command in (run, profile, suite, pattern, report, topo, simulate, baseline,
 
 def main(argv: list[str] | None = None) -> None:
     """Console script: exit 0 on success, else the error's exit code and one line on stderr."""
-    cli.main(args=argv, prog_name="commbench")
+    try:
+        cli.main(args=argv, prog_name="commbench")
+    except SystemExit as done:
+        _leave_now_if_torch_loaded(done.code)
+        raise
+
+
+def _leave_now_if_torch_loaded(code: Any) -> None:
+    """A process that imported torch spends ~1 s in interpreter teardown (2-core host, load 4): once
+    everything is said, exit handlers run (atexit: multiprocessing's, temporary folders), stdio is flushed
+    and the process leaves without that teardown. Not while another non-daemon thread runs (Python would
+    wait for it), and never under click's CliRunner (it calls ``cli.main``, not this)."""
+    if "torch" not in sys.modules or not isinstance(code, (int, type(None))):
+        return
+    import atexit
+    import threading
+
+    if any(t is not threading.main_thread() and not t.daemon for t in threading.enumerate()):
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code or 0)

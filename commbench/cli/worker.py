@@ -51,7 +51,6 @@ def launch_worker(comm: Any, plan: LaunchPlan) -> None:
 def _work(comm: Any, plan: LaunchPlan, held: _Rank0) -> None:
     from commbench.backends import get_backend
     from commbench.cli.acceptance import confirm_slow_ranks, make_judge, rank_names
-    from commbench.report.judge.verdict import RunStatus
     from commbench.run.placement import gather_layout
 
     backend_class = get_backend(plan.options.backend)
@@ -72,6 +71,7 @@ def _work(comm: Any, plan: LaunchPlan, held: _Rank0) -> None:
 
     from commbench.hardware.environment import capture_environment
     from commbench.report import ReportWriter, results_table
+    from commbench.report.judge.verdict import RunStatus
     from commbench.run.liveness import deferred_stop
     from commbench.run.nccl_env import applied
 
@@ -174,7 +174,6 @@ def _run_rounds(
     comm: Any, plan: LaunchPlan, backend_class: type, layout: Layout, sink: Any, progress: Progress | None,
     profiler: Any,
 ) -> tuple[list[Any], list[dict[str, Any]]]:  # fmt: skip
-    from commbench.report.analysis.soak import SOAK_COLUMN
     from commbench.run.harness import run_jobs
 
     if plan.soak_s is None:
@@ -182,6 +181,8 @@ def _run_rounds(
     started = time.monotonic()
 
     def soak_sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
+        from commbench.report.analysis.soak import SOAK_COLUMN  # the writer's (pandas): rank 0 only
+
         elapsed = round(time.monotonic() - started, 3)
         sink([{**row, SOAK_COLUMN: elapsed} for row in rows], rank_rows)
 

@@ -236,6 +236,8 @@ def simulated_budgets(
             selections = 0
         elif row.get("busiest_rank_selections") is not None:  # a simulation row that carries it
             selections = int(row["busiest_rank_selections"])
+        elif world in simulation.busiest_selections:  # the simulation's own pattern: not routed again
+            selections = simulation.busiest_selections[world]
         else:
             pattern = grouped_pattern(model, world, **options)
             selections = busiest_rank_selections(pattern.dispatch_selections)

@@ -330,6 +330,9 @@ class Simulation:
 
     rows: list[dict[str, Any]]
     notes: list[str]
+    # World size -> the most (token, expert) selections any rank's experts receive (the max column sum of its
+    # dispatch selections): the comm/compute budget reads it instead of routing the same pattern again.
+    busiest_selections: dict[int, int] = field(default_factory=dict)
 
 
 def simulate(
@@ -365,6 +368,7 @@ def simulate(
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     base: dict[str, float] = {}
+    busiest: dict[int, int] = {}
     for world, fabric in zip(sizes, fabrics, strict=True):
         pattern = grouped_pattern(
             model, world, tokens_per_rank, skew, ep_size, send_mode, seed, sample_tokens, exact,
@@ -389,7 +393,8 @@ def simulate(
         for phase, pred in (("dispatch", dispatch), ("combine", combine)):
             rows.append(_sim_row(world, pattern, fabric, phase, pred.time_s, pred, base))
         rows.append(_sim_row(world, pattern, fabric, "total", dispatch.time_s + combine.time_s, None, base))
-    return Simulation(rows, notes)
+        busiest[world] = int(np.asarray(pattern.dispatch_selections, dtype=np.int64).sum(axis=-2).max())
+    return Simulation(rows, notes, busiest)
 
 
 def _span_note(pattern: GroupedPattern, fabric: Fabric) -> str:

@@ -142,7 +142,9 @@ class Comm:
                 monitor.note_failure()
             if isinstance(exc, CommbenchError) or not isinstance(exc, _COLLECTIVE_ERRORS):
                 raise
-            if monitor is not None and monitor.signum is not None:
+            # A stop, or a launcher gone (every rank gets its SIGTERM; a peer that left first can fail this
+            # call before the signal's handler ran here): the stop is the cause, not the closed connection.
+            if monitor is not None and (monitor.signum is not None or monitor.launcher_gone()):
                 raise monitor.stopped_error() from exc
             raise self._comm_error(operation, exc) from exc
         finally:
@@ -164,6 +166,10 @@ class Comm:
         """Tell the parent watchdog this rank is making progress."""
         if self.progress is not None:
             self.progress[self.rank] = time.monotonic()
+
+    def quiet(self) -> contextlib.AbstractContextManager[None]:
+        """A timed window: this process's heartbeat thread stays asleep inside it (``RankMonitor.quiet``)."""
+        return self.liveness.quiet() if self.liveness is not None else contextlib.nullcontext()
 
     def barrier(self) -> None:
         with self.guard("barrier"):

@@ -4,9 +4,9 @@ Per phase (dispatch, combine, or the balanced "alltoall") every rank runs ``warm
 ``barrier -> phase call -> synchronize``, then times ``iters`` calls the job's way (``job.timing``):
 
 * "window" (the balanced sweep's default, nccl-tests' way): poison receive buffers -> synchronize ->
-  barrier -> [start timer] -> ``iters`` back-to-back calls -> [stop timer] -> synchronize; each rank's
-  seconds per iteration = window / iters, one sample per rank. The calls overwrite the same receive buffers
-  (as in nccl-tests), so only the window's final output is verified, byte for byte (check "window-last").
+  barrier -> [start timer] -> ``iters`` back-to-back calls -> [stop timer] -> synchronize (-> barrier when
+  checked); each rank's seconds per iteration = window / iters, one sample per rank. The calls overwrite the
+  same receive buffers (as in nccl-tests): only the final output is verified, in full ("window-last").
 * "iteration" (the MoE phases' default): per iteration poison receive buffers -> synchronize -> barrier ->
   [start timer] -> phase call -> [stop timer] -> synchronize -> barrier -> check this iteration's output;
   one sample per iteration.
@@ -19,24 +19,24 @@ timing covers every timed iteration (``RunOptions.check``): the backend fills it
 sentinel before each one (``Backend.poison_receive_buffers``), so a call that moves nothing cannot pass on
 the previous iteration's bytes; then ``checksum`` (default) compares a checksum of each iteration's output
 with the expected one and verifies the last iteration in full, ``every`` verifies every iteration in full
-(``Phase.check``; refused with window timing). Nothing of this runs inside the timed region. ``wrong`` sums
-every rank's checked outputs; a backend that moves no data (mock, sim) is not checked and its rows say
-#wrong None (n/a). A job with wrong > 0 still writes its rows, then every rank raises VerificationError. A
-phase's rows (``run.rows``) take their bytes from the job's Pattern (the pattern ``commbench pattern``
-prints) and their times from every rank's samples.
+(``Phase.check``; refused with window timing). Nothing of this runs inside the timed region, and no thread
+of ours wakes there (``comm.quiet()``: ``RankMonitor.quiet``); a call's only extra work in a window is two
+clock reads and one progress store for the launcher's hang watchdog.
+``wrong`` sums every rank's checked outputs; a backend that moves no data (mock, sim) is not checked and its
+rows say #wrong None (n/a). A job with wrong > 0 still writes its rows, then every rank raises
+VerificationError. A phase's rows (``run.rows``) take their bytes from the job's Pattern (the pattern
+``commbench pattern`` prints) and their times from every rank's samples.
 
-The balanced sweep times each size out-of-place (checked as above) and then, where the backend has one
-(``Backend.in_place``), in place: the same exchange with one buffer as input and output, nccl-tests' in-place
-alltoall, timed the same way (same warm-up, iterations and timing mode) and never checked, its output being
-undefined; its row gets ``in_place_time_us_mean`` (``run.rows.in_place_columns``), NaN where not run.
+The balanced sweep times each size out-of-place (checked as above), then where the backend has one
+(``Backend.in_place``) in place, nccl-tests' in-place alltoall (one buffer in and out), timed the same way and
+never checked (undefined output): the row's ``in_place_time_us_mean`` (``run.rows.in_place_columns``).
 
 Every timed call also records the rank's arrival: host time from the call's common start (the barrier,
 or the previous call's return in a window) until it entered the call; ranks.csv carries its p50 per rank
-(``arrival_us_p50``), which the verdict's slow-rank rule judges. The ``--inject-delay`` test hook
-(``RunOptions.inject_delay``) sleeps before each timed call of one rank, inside the timer.
+(``arrival_us_p50``), which the verdict's slow-rank rule judges. ``--inject-delay`` (a test hook) sleeps
+before each timed call of one rank, inside the timer.
 
-Knob sweeps: consecutive jobs with the same effective backend options (``job_backend_options``) share one
-backend; the previous one is closed before the next setting's backend is built.
+Knob sweeps: consecutive jobs of one effective knob setting share a backend, the previous one closed first.
 
 Imbalance cost (``RunOptions.imbalance_cost``): after an MoE job's two phases the same launch runs both phases
 again through the same runner (``phases.MoeLayer``, same backend calls, same checks) on a balanced layout of
@@ -47,6 +47,7 @@ derives what the skew alone costs.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -100,8 +101,7 @@ Sink = Callable[[list[dict], list[dict]], None]
 Emit = Callable[..., None]  # (row, rank rows, the Measured it came from)
 Profiler = Callable[[PhaseProfile], None]
 UNCHECKED = "n/a"  # the check of what is not verified: a backend that moves no data, the in-place all-to-all
-# The results-row keys that name a profiled phase in profile.csv, arrivals.csv and trace.json.
-PROFILE_CASE_KEYS = CASE_FIELDS
+PROFILE_CASE_KEYS = CASE_FIELDS  # the results-row keys naming a profiled phase (profile.csv, trace.json, ...)
 
 
 @dataclass(frozen=True)
@@ -229,9 +229,8 @@ def bench(
 ) -> Measured:
     """Warm up, time ``job.iters`` calls the job's way and check them (see the module docstring); every
     rank's times, arrivals and #wrong, gathered. ``opts.corrupt`` (the test hook) changes the last output on
-    rank 0 before its full check; ``opts.inject_delay`` (the other test hook) delays a rank's timed calls.
-    A phase without a check (the in-place all-to-all, whose output is undefined) is timed alone: no poison,
-    no check, #wrong None."""
+    rank 0 before its full check; ``opts.inject_delay`` (the other test hook) delays a rank's timed calls. A
+    phase without a check (in-place all-to-all: undefined output) is timed alone: no poison, #wrong None."""
     mode = check_label(backend, opts, job.timing) if phase.check is not None else UNCHECKED
     checking = mode in (*CHECK_MODES, CHECK_WINDOW_LAST)
     wrong: list[int] = []  # this rank's count per checked output
@@ -245,12 +244,13 @@ def bench(
             comm.barrier()
             phase.call()
             backend.synchronize()
-        if job.timing == GRAPH_TIMING:  # captured calls, replayed (run.graphs)
-            seconds, output = graphs.timed_graph(comm, backend, phase.call, job, checking)
-        elif job.timing == "window":  # timed loop
-            seconds, output = _timed_window(comm, backend, calls, job.iters, checking)
-        else:
-            seconds, output = _timed_iterations(comm, backend, calls, job.iters, mode, wrong)
+        with getattr(comm, "quiet", contextlib.nullcontext)():  # the timed loop: our threads asleep
+            if job.timing == GRAPH_TIMING:  # captured calls, replayed (run.graphs)
+                seconds, output = graphs.timed_graph(comm, backend, phase.call, job, checking)
+            elif job.timing == "window":
+                seconds, output = _timed_window(comm, backend, calls, job.iters, checking)
+            else:
+                seconds, output = _timed_iterations(comm, backend, calls, job.iters, mode, wrong)
     if checking:
         if opts.corrupt == phase.corrupted_by and comm.rank == 0:
             phase.corrupt(output)
@@ -364,10 +364,10 @@ def _timed_window(
         calls.left()
         if backend.emulated:  # a class attribute: real backends read no modelled time inside the window
             modelled.append(backend.modelled_seconds())
-        # The launcher's hang watchdog wants progress every 2 x timeout + 5 s, which a window of many slow
-        # calls can exceed; one shared-memory store (~0.1 us) against >= 10 us of host work a call.
-        comm.heartbeat()
+        comm.heartbeat()  # a long window outlasts the hang bound (2 x timeout + 5 s): one ~0.1 us store
     timer.stop(backend.synchronize)
+    if checking:  # as in iteration timing: no rank's check takes a core from a peer still in its window
+        comm.barrier()
     known = [m for m in modelled if m is not None]
     if modelled and len(known) == len(modelled):
         return [sum(known) / iters], output

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
 
 from commbench.errors import UsageError
-from commbench.run.liveness import LAUNCH_ID_VARIABLE
+from commbench.run.processes import LAUNCH_ID_VARIABLE
 
 # Set by ``adopt_slurm_task``: the torchrun variables of this process were written from Slurm's.
 LAUNCHER_VARIABLE = "COMMBENCH_LAUNCHER"

@@ -26,6 +26,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from multiprocessing.connection import wait as wait_for_any
 from typing import Any
 
 import torch
@@ -33,19 +34,21 @@ import torch
 from commbench.errors import CommbenchError, CommError, StoppedError, VerificationError, signal_name
 from commbench.run.comm import hang_bound_s, init_comm, shutdown_comm
 from commbench.run.heartbeats import Beat, SharedBoard, beat_interval_s, stale_after_s
-from commbench.run.liveness import (
+from commbench.run.liveness import STOP_GRACE_S, STOP_SIGNALS, RankMonitor
+from commbench.run.outcomes import OutcomeReader, RankFailure, check_temp_dir, send_outcome
+from commbench.run.processes import (
     LAUNCH_ID_VARIABLE,
     STATE_WORDS,
-    STOP_GRACE_S,
-    STOP_SIGNALS,
-    RankMonitor,
+    MultiprocessingScratch,
     die_with_parent,
+    fork_server_context,
+    leave_the_fork_server,
     matplotlib_dir_for,
     name_process,
     process_state,
     remove_scratch,
+    stop_fork_server,
 )
-from commbench.run.outcomes import OutcomeReader, RankFailure, check_temp_dir, send_outcome
 
 # Seconds a spawned rank may take to start (interpreter + torch import) before the watchdog gives up on it.
 _STARTUP_BOUND_S = 120.0
@@ -56,6 +59,7 @@ _REPORT_GRACE_S = 60.0
 # After a stop signal, how long the ranks get (their own hard stop comes first) before they are killed.
 LAUNCHER_GRACE_S = 2 * STOP_GRACE_S + 1.0
 _POLL_S = 0.05
+_WATCH_S = 1.0  # the watch loop's hang check: exits and stop signals wake it at once
 
 Outcome = tuple[str, Any, str]  # ("ok", result, "") | ("error", exception, traceback text): run.outcomes
 Liveness = dict[int, tuple[str | None, Beat | None]]  # rank -> (process state, last beat) when the run ended
@@ -76,6 +80,10 @@ class LauncherSignals:
         self.signum: int | None = None
         self.escalated = False
         self._previous: dict[int, Any] = {}
+        # Written by the handler: the watch loop sleeps on the ranks' exits and this, not on a poll timer.
+        self.wake_r, self._wake_w = os.pipe()
+        for fd in (self.wake_r, self._wake_w):
+            os.set_blocking(fd, False)
 
     def install(self) -> LauncherSignals:
         if threading.current_thread() is threading.main_thread():
@@ -88,6 +96,8 @@ class LauncherSignals:
             self.signum = signum
         else:
             self.escalated = True
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"\0")
 
     @contextlib.contextmanager
     def blocked(self) -> Iterator[None]:
@@ -103,6 +113,9 @@ class LauncherSignals:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous.clear()
+        for fd in (self.wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _worker(
@@ -123,6 +136,7 @@ def _worker(
     the pipe the launcher made for it (``outcome``, run.outcomes)."""
     name_process(f"commbench-r{rank}")
     die_with_parent(signal.SIGTERM)
+    leave_the_fork_server()
 
     def clean_up_for_the_launcher() -> None:
         if monitor.launcher_gone():  # nobody is left to remove the launch's scratch files
@@ -180,15 +194,16 @@ def _worker(
 def spawn(
     world_size: int, entry: Callable[..., Any], args: tuple[Any, ...], process_group: str, timeout_s: float
 ) -> Any:
-    """Run ``entry(comm, *args)`` in ``world_size`` spawned local processes; rank 0's return value."""
-    import multiprocessing
+    """Run ``entry(comm, *args)`` in ``world_size`` local processes forked by a fork server that imported
+    torch and commbench once (spawned where the platform has none); rank 0's return value."""
     from multiprocessing import resource_tracker
 
-    context = multiprocessing.get_context("spawn")
+    context = fork_server_context(entry)
     progress = context.Array("d", world_size, lock=False)  # 0.0 = not started yet
     board = SharedBoard(world_size, context)
     launch_id = os.urandom(6).hex()
     check_temp_dir()  # the ranks' scratch files and multiprocessing's own live there
+    multiprocessing_dir = MultiprocessingScratch(launch_id)
     matplotlib_dir = matplotlib_dir_for(launch_id)
     if matplotlib_dir is not None:  # inherited by the ranks; removed with the launch's scratch
         os.environ["MPLCONFIGDIR"] = matplotlib_dir
@@ -241,6 +256,8 @@ def spawn(
     finally:
         _kill(processes)
         signals.restore()
+        stop_fork_server()
+        multiprocessing_dir.close()
         remove_scratch(launch_id)
         if matplotlib_dir is not None and os.environ.get("MPLCONFIGDIR") == matplotlib_dir:
             del os.environ["MPLCONFIGDIR"]
@@ -290,7 +307,11 @@ def _watch(
         ]
         if hung:
             return [], hung
-        time.sleep(_POLL_S)
+        # Asleep until a rank exits, a stop signal comes, or the next hang check: the launcher takes no core
+        # from the ranks (a 20 Hz poll woke it 20 times a second through every timed window).
+        running = [process.sentinel for process, code in zip(processes, codes, strict=True) if code is None]
+        with contextlib.suppress(OSError, ValueError):
+            wait_for_any([*running, signals.wake_r], timeout=_WATCH_S)
     return [], []
 
 

@@ -1,10 +1,13 @@
-"""Rank liveness: one monitor per rank process for its heartbeats and stop signals, and process helpers.
+"""Rank liveness: one monitor per rank process for its heartbeats and stop signals (helpers: run.processes).
 
 Each rank runs one daemon thread (``RankMonitor``) that publishes a heartbeat (``run.heartbeats.Beat``) every
 ``beat_interval_s`` on a board (shared memory for spawned ranks, the group's c10d store under torchrun or
 Slurm). The thread runs while the main thread is blocked in a collective, so a waiting rank stays fresh and
 a stopped (SIGSTOP), frozen or vanished rank goes stale: a rank whose collective fails names the stale or
-departed peers (``RankMonitor.peers_text``).
+departed peers (``RankMonitor.peers_text``). Inside a timed window (``RankMonitor.quiet``) the thread does
+not wake, so it takes neither the GIL nor a core from the timed calls: one beat as the window opens, then
+one per ``quiet_bound_s`` (three intervals, under the staleness bound of four and a half) of a longer one;
+a stop signal still wakes it at once.
 
 Stop signals (SIGINT, SIGTERM, SIGHUP): the first one raises ``StoppedError`` in the main thread at the next
 Python instruction (deferred inside ``deferred_stop()`` blocks, e.g. while rank 0 writes rows, so files
@@ -24,16 +27,12 @@ peer is stopped) cannot raise. That bound comes before torch's own NCCL kill (``
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import glob
 import os
 import select
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -49,96 +48,12 @@ from commbench.run.heartbeats import (
     describe_peers,
     stale_after_s,
 )
+from commbench.run.processes import process_gone, process_state
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # After a stop signal, how long a rank's main thread gets to finish the iteration and write what it holds
 # before the monitor thread ends the process itself (it may be blocked in C on a peer that is gone).
 STOP_GRACE_S = 5.0
-LAUNCH_ID_VARIABLE = "COMMBENCH_LAUNCH_ID"  # set in spawned ranks: names their scratch files
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Processes
-
-
-def process_state(pid: int) -> str | None:
-    """The kernel's one-letter state of ``pid`` (R, S, D, T, t, Z, ...), None if it is gone or unknown."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            text = handle.read()
-    except OSError:
-        return None
-    fields = text.rsplit(")", 1)[-1].split()
-    return fields[0] if fields else None
-
-
-STATE_WORDS = {
-    "T": "stopped by a signal (state T: SIGSTOP, SIGTSTP or Ctrl-Z)",
-    "t": "stopped by a debugger (state t)",
-    "D": "in uninterruptible sleep (state D: a hung device, driver or file system)",
-    "Z": "exited, not yet reaped (state Z)",
-}
-
-
-def _libc() -> Any:
-    return ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def die_with_parent(signum: int = signal.SIGTERM) -> bool:
-    """Linux: ask the kernel to send ``signum`` to this process when its parent exits (PR_SET_PDEATHSIG)."""
-    libc = _libc()
-    return bool(libc is not None and libc.prctl(1, int(signum), 0, 0, 0) == 0)  # 1 = PR_SET_PDEATHSIG
-
-
-def name_process(name: str) -> None:
-    """Linux: the name ps/top show for this process (15 bytes at most), e.g. "commbench-r2"."""
-    libc = _libc()
-    if libc is not None:
-        libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # 15 = PR_SET_NAME
-
-
-def scratch_name(kind: str) -> str:
-    """A scratch file name for a rank of this launch, ``commbench-<kind>-<launch id>-<random>``: the
-    launcher removes whatever a stopped run left under that launch id (``remove_scratch``)."""
-    launch_id = os.environ.get(LAUNCH_ID_VARIABLE, "solo")
-    return f"commbench-{kind}-{launch_id}-{os.urandom(8).hex()}"
-
-
-def matplotlib_dir_for(launch_id: str, environ: dict[str, str] | None = None) -> str | None:
-    """A scratch folder of this launch for matplotlib's config and cache when its own (MPLCONFIGDIR, else
-    $XDG_CONFIG_HOME or ~/.config, /matplotlib) cannot be written: matplotlib would make a temp folder per
-    process and remove it at exit, which a rank leaving through os._exit never reaches. None (nothing to
-    do) when it can be written; the folder goes with the launch's scratch (``remove_scratch``)."""
-    env = os.environ if environ is None else environ
-    if env.get("MPLCONFIGDIR"):
-        return None
-    home = os.path.expanduser("~")
-    config = os.path.join(env.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"), "matplotlib")
-    probe = config
-    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-        probe = os.path.dirname(probe)  # the folder matplotlib would create it in
-    if os.access(probe, os.W_OK | os.X_OK):
-        return None
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    path = os.path.join(base, f"commbench-mpl-{launch_id}-{os.urandom(8).hex()}")
-    os.mkdir(path, 0o700)
-    return path
-
-
-def remove_scratch(launch_id: str) -> None:
-    """Remove the scratch files and folders of launch ``launch_id`` (/dev/shm and the temp folder)."""
-    for folder in {"/dev/shm", tempfile.gettempdir()}:
-        for path in glob.glob(os.path.join(folder, f"commbench-*-{launch_id}-*")):
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-
-
-def process_gone(pid: int) -> bool:
-    """True when ``pid`` (on this host) has exited: absent, or a zombie not yet reaped."""
-    return process_state(pid) in (None, "Z", "X")
 
 
 def hang_message(rank: int, activity: str, idle_s: float, timeout_s: float, peers: str) -> str:
@@ -227,6 +142,9 @@ class RankMonitor:
     ):
         self.rank = rank
         self.parent_pid = parent_pid  # spawned ranks: the launcher, watched on every beat
+        # The process that started this one (the launcher, or the fork server it started): this process is
+        # handed to a new parent when that one exits.
+        self._first_ppid = os.getppid()
         self.on_hard_exit = on_hard_exit
         self.signum: int | None = None
         self.stop_at: float | None = None
@@ -253,6 +171,9 @@ class RankMonitor:
         self._timeout_s = 0.0
         self._on_hang: Callable[[CommError], None] = _report_hang
         self._hung = False
+        # A timed window is open (``quiet``): the thread sleeps until it closes, or beats once per
+        # ``quiet_bound_s`` in a long one; 0.0 = no window.
+        self._quiet_until = 0.0
         self._thread = threading.Thread(target=self._loop, name="commbench-heartbeat", daemon=True)
 
     @classmethod
@@ -287,7 +208,7 @@ class RankMonitor:
         when the launcher's main thread ends, before this process is handed to a new parent)."""
         if self.parent_pid is None:
             return False
-        return os.getppid() != self.parent_pid or process_state(self.parent_pid) in (None, "Z", "X")
+        return os.getppid() != self._first_ppid or process_state(self.parent_pid) in (None, "Z", "X")
 
     @property
     def reason(self) -> str:
@@ -326,6 +247,39 @@ class RankMonitor:
         if self._stack:
             self._stack.pop()
         self._changed = time.monotonic()
+
+    def quiet_bound_s(self) -> float:
+        """The longest the thread stays asleep inside a timed window: three beat intervals, so a peer still
+        sees a fresh beat (stale after ``stale_after_s``: four intervals and a half) and the hang and
+        launcher checks run at least that often."""
+        return 3.0 * self.interval_s
+
+    @contextlib.contextmanager
+    def quiet(self) -> Iterator[None]:
+        """A timed window (main thread): one beat now, then the heartbeat thread does not wake while the
+        block runs (it would take the GIL and a core from the timed call), except once per
+        ``quiet_bound_s`` of a longer block. A stop signal still wakes it at once."""
+        self._publish()
+        self._quiet_until = time.monotonic() + self.quiet_bound_s()
+        try:
+            yield
+        finally:
+            self._quiet_until = 0.0
+
+    def _sleep_s(self) -> float:
+        """How long the thread sleeps next: until the open window's bound, else one beat interval."""
+        left = self._quiet_until - time.monotonic()
+        return left if left > 0.0 else self.interval_s
+
+    def _quiet_now(self) -> bool:
+        """Inside a timed window whose bound has not passed (a long window's bound then moves on)."""
+        if not self._quiet_until or self.stop_at is not None:
+            return False
+        now = time.monotonic()
+        if now < self._quiet_until:
+            return True
+        self._quiet_until = now + self.quiet_bound_s()  # still open: beat now, then sleep again
+        return False
 
     def watch_progress(
         self,
@@ -435,7 +389,7 @@ class RankMonitor:
     def _loop(self) -> None:
         while not self._closed.is_set():
             with contextlib.suppress(OSError, ValueError):
-                ready, _, _ = select.select([self._wake_r], [], [], self.interval_s)
+                ready, _, _ = select.select([self._wake_r], [], [], self._sleep_s())
                 if ready:
                     received = os.read(self._wake_r, 64)
                     stops = [s for s in received if s in {int(sig) for sig in STOP_SIGNALS}]
@@ -445,6 +399,8 @@ class RankMonitor:
                         self._hard_signum = stops[0]
             if self._closed.is_set():
                 return
+            if self._quiet_now():  # woke (a timeout set before the window opened) inside a timed window
+                continue
             self._publish()
             if self.stop_at is None and self.launcher_gone():
                 os.kill(os.getpid(), signal.SIGTERM)  # the launcher is gone (PDEATHSIG not set or lost)

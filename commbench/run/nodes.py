@@ -78,6 +78,9 @@ class GroupComm:
     def guard(self, operation: str) -> contextlib.AbstractContextManager[None]:
         return self.parent.guard(operation)
 
+    def quiet(self) -> contextlib.AbstractContextManager[None]:
+        return self.parent.quiet()
+
 
 @dataclass(frozen=True)
 class NodeGroups:

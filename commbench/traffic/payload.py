@@ -51,6 +51,26 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+# The column terms of the widest rows encoded so far, per device: a column's terms do not depend on the row
+# width, so narrower rows take a prefix. A sweep encodes its send rows and the rows it expects at every size;
+# the int64 hash of 16 M columns (64 MiB, 4 ranks) is most of that set-up's time, paid once this way.
+_COLUMNS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+_COLUMNS_CACHED_MAX = 1 << 28  # wider rows are computed each time (the cache would hold 2 x that)
+
+
+def _column_terms(row_bytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column & 0xFF, hash(column) & 0xFF) as uint8 [row_bytes] on ``device``."""
+    key = str(device)
+    cached = _COLUMNS.get(key)
+    if cached is not None and cached[0].numel() >= row_bytes:
+        return cached[0][:row_bytes], cached[1][:row_bytes]
+    column = torch.arange(row_bytes, dtype=torch.int64, device=device)
+    terms = ((column & 0xFF).to(torch.uint8), (_mix32(column + 0x5BD1E995) & 0xFF).to(torch.uint8))
+    if row_bytes <= _COLUMNS_CACHED_MAX:
+        _COLUMNS[key] = terms
+    return terms
+
+
 def encode_rows(src_rank: int | torch.Tensor, token_index: torch.Tensor, row_bytes: int) -> torch.Tensor:
     """Rows of ``(src_rank, token)``: uint8 [n, row_bytes] on ``token_index``'s device.
 
@@ -64,9 +84,7 @@ def encode_rows(src_rank: int | torch.Tensor, token_index: torch.Tensor, row_byt
     row_hash = _mix32(src * 0x9E3779B1 + token)
     offset = (row_hash & 0xFF).to(torch.uint8).unsqueeze(1)
     stride = (((row_hash >> 8) & 0xFF) | 1).to(torch.uint8).unsqueeze(1)
-    column = torch.arange(row_bytes, dtype=torch.int64, device=device)
-    column_low = (column & 0xFF).to(torch.uint8)
-    column_hash = (_mix32(column + 0x5BD1E995) & 0xFF).to(torch.uint8)
+    column_low, column_hash = _column_terms(row_bytes, device)
     rows = stride * column_low  # uint8 arithmetic wraps mod 256
     rows.add_(offset).bitwise_xor_(column_hash)
     if row_bytes >= HEADER_BYTES:

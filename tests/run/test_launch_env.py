@@ -24,7 +24,7 @@ from commbench.run.launch_env import (
     read_slurm_task,
     tasks_on_node,
 )
-from commbench.run.liveness import LAUNCH_ID_VARIABLE
+from commbench.run.processes import LAUNCH_ID_VARIABLE
 
 # Every variable an adoption reads or writes: cleared for each test that touches os.environ.
 MANAGED = (

@@ -29,7 +29,8 @@ from commbench.run.heartbeats import (
     exit_if_stranded,
 )
 from commbench.run.launcher import launch_error
-from commbench.run.liveness import KeepAlive, RankMonitor, deferred_stop, process_state, remove_scratch
+from commbench.run.liveness import KeepAlive, RankMonitor, deferred_stop
+from commbench.run.processes import process_state, remove_scratch
 from tests.run.processes import Lines, free_port, kill_marked, new_mark, run_env, start_torchrun_style
 
 TIMEOUT_S = 4.0  # collective timeout of the hang tests: a stopped rank is stale long before it
@@ -370,3 +371,51 @@ def test_a_long_step_stops_beating_at_its_bound() -> None:
         time.sleep(0.1)
         assert len(beats) == quiet
     assert len(beats) == quiet + 1  # the step's end is progress
+
+
+class _CountingBoard:
+    """A board that records when each beat was published (the monitor thread's wakes)."""
+
+    def __init__(self) -> None:
+        self.walls: list[float] = []
+
+    def publish(self, beat: Beat) -> None:
+        self.walls.append(time.monotonic())
+
+    def read(self) -> dict:
+        return {}
+
+    def flush(self, bound_s: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_timed_window_gets_no_beat_but_its_opening_one_and_one_per_bound() -> None:
+    """Inside ``quiet`` (a timed window) the heartbeat thread does not wake at its interval: one beat as the
+    window opens, then none closer together than the bound; a window longer than the bound still beats (a
+    peer must not see this rank as stale), and after it the interval beats resume."""
+    monitor = RankMonitor.install(0)
+    board = _CountingBoard()
+    try:
+        monitor.attach(board, 2, "cpu", 0.02)
+        bound = monitor.quiet_bound_s()
+        assert bound < 4 * 0.02 + 0.5  # the staleness bound (heartbeats.stale_after_s)
+        time.sleep(0.1)
+        with monitor.quiet():
+            opened = len(board.walls)
+            deadline = time.monotonic() + 30
+            while len(board.walls) < opened + 2 and time.monotonic() < deadline:  # a long window
+                time.sleep(0.01)
+            inside = board.walls[opened - 1 :]
+        assert len(inside) >= 3  # the opening beat and two bounded ones
+        gaps = [later - earlier for earlier, later in zip(inside, inside[1:], strict=False)]
+        assert min(gaps) >= 0.9 * bound  # a thread at its interval would beat every 0.02 s
+        after = len(board.walls)
+        deadline = time.monotonic() + 30
+        while len(board.walls) < after + 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(board.walls) >= after + 3
+    finally:
+        monitor.close()

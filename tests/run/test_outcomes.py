@@ -162,7 +162,7 @@ def test_a_launch_under_a_temp_folder_others_could_swap_files_in_is_refused_firs
 
 
 def test_an_unwritable_home_gets_one_matplotlib_folder_that_goes_with_the_launch(tmp_path: Path, monkeypatch):
-    from commbench.run.liveness import matplotlib_dir_for, remove_scratch
+    from commbench.run.processes import matplotlib_dir_for, remove_scratch
 
     home = tmp_path / "home"
     home.mkdir()

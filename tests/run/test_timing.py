@@ -113,7 +113,8 @@ def test_cpu_timer_reads_the_clock_after_the_host_waits():
 
 def test_bench_orders_events_as_nccl_tests(fake_cuda):
     """Iteration timing: poison, barrier, begin event, call, end event, then the wait, per iteration; window
-    timing: one barrier, one pair of events around back-to-back calls, one wait, one full check."""
+    timing: one barrier, one pair of events around back-to-back calls, one wait, a barrier (no rank checks
+    while a peer is still in its window), one full check."""
     comm, backend, phase = logging_setup(fake_cuda, lambda: CudaTimer(torch.device("cuda", 0)))
     warmup = ["barrier", "call", "synchronize"]
     job = BalancedJob("balanced", [64], warmup=1, iters=2, timing="iteration")
@@ -128,7 +129,7 @@ def test_bench_orders_events_as_nccl_tests(fake_cuda):
     job = BalancedJob("balanced", [64], warmup=1, iters=3, timing="window")
     measured = bench(comm, backend, job, phase, RunOptions("nccl"))
     window = ["begin event on stream", "call", "call", "call", "end event on stream", "synchronize"]
-    assert fake_cuda == [*warmup, "poison", "synchronize", "barrier", *window, "full check"]
+    assert fake_cuda == [*warmup, "poison", "synchronize", "barrier", *window, "barrier", "full check"]
     # One sample per rank: the window's time / iters.
     assert measured.seconds.shape == (1, 1) and measured.seconds[0, 0] == pytest.approx(ELAPSED_MS / 3e3)
 

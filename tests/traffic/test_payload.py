@@ -38,6 +38,16 @@ def test_header_round_trip_and_every_row_distinct():
     assert torch.equal(encode_rows(5, torch.tensor([3, 9]), 40), rows[[5 * 100 + 3, 5 * 100 + 9]])
 
 
+def test_rows_do_not_depend_on_the_widths_encoded_before():
+    # The column terms are cached across calls (the widest so far, narrower rows take a prefix): a row's
+    # bytes must be the same whatever was encoded before it.
+    first = encode_rows(3, torch.arange(5), 24)
+    wide = encode_rows(3, torch.arange(5), 5000)
+    assert torch.equal(encode_rows(3, torch.arange(5), 24), first)
+    assert torch.equal(wide[:, 8:24], first[:, 8:]) and torch.equal(wide[:, :8], first[:, :8])
+    assert torch.equal(encode_rows(3, torch.arange(5), 6000)[:, :5000], wide)
+
+
 def test_any_single_corrupted_byte_is_detected():
     expected = encode_rows(2, torch.arange(7), 24)
     for position in range(expected.numel()):

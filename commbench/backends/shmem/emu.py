@@ -53,7 +53,7 @@ from commbench.backends.options import BackendOption, PutSignalOptions, put_sign
 from commbench.backends.shmem import protocol as proto
 from commbench.errors import CommError, UsageError
 from commbench.run.interface import Backend, ExchangeShape
-from commbench.run.liveness import scratch_name
+from commbench.run.processes import scratch_name
 from commbench.traffic.payload import POISON_BYTE
 from commbench.traffic.plan import RankPlan
 

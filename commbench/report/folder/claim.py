@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
-
 from commbench.errors import UsageError
 
 MARKER = ".commbench-run"
@@ -108,6 +106,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> None:
 def csv_text(records: Sequence[dict[str, Any]], columns: Sequence[str], header: bool) -> str:
     """Complete CSV lines of ``records`` in ``columns`` order (missing values empty), the header first if
     asked."""
+    import pandas as pd  # here: a rank that only unpickles the claim (in its LaunchPlan) needs no pandas
+
     frame = pd.DataFrame(list(records)).reindex(columns=list(columns))
     return frame.to_csv(header=header, index=False, lineterminator="\n")
 

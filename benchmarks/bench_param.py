@@ -1,0 +1,274 @@
+"""commbench's balanced all-to-all sweep beside PARAM's comms benchmark and a bare ``all_to_all_single`` loop,
+on gloo, alternated round by round: per-size medians, the ratios, each sweep's wall time and the host load.
+
+    python benchmarks/bench_param.py --param DIR [--rounds 5] [--min-bytes 1K] [--max-bytes 64M]
+        [--factor 2] [--iters 20] [--warmup 5] [--world-size 4] [--out bench_param.md]
+
+PARAM is not part of commbench: ``--param DIR`` is a checkout of https://github.com/facebookresearch/param
+(``git clone https://github.com/facebookresearch/param DIR``; its ``train/comms/pt/comms.py`` is run). PARAM
+imports itself as the package ``param_bench``, so the script runs it with a temporary folder holding a link
+``param_bench -> DIR`` on PYTHONPATH; nothing is installed.
+
+The three, each a whole command as a user would start it, every size with the same warm-up and iterations:
+
+* **commbench**: ``commbench run --pattern balanced --backend gloo`` (spawned ranks, every size verified,
+  then timed in place too as nccl-tests does, the report written). Its time: ``time_us_mean`` of
+  results.csv, the window's seconds per iteration of the slowest rank (window timing, nccl-tests' way).
+* **PARAM**: ``torchrun --standalone --nproc_per_node N comms.py --backend gloo --device cpu --collective
+  all_to_all_single --blocking 0`` (its default non-blocking mode). PARAM times a window too
+  (``run_coll_non_graph`` in train/comms/pt/comms.py: after its warm-up it adds up the time to issue
+  ``--num_iters`` calls and the final wait for all of them, then divides by the iterations), on every rank;
+  its table prints p50, p75, p95, min and max over ranks. Its time here: the max over ranks (``Max``), the
+  same convention as commbench's. PARAM's bandwidth (AlgBW = bytes / p50 time, BusBW = AlgBW x (n-1)/n for
+  all-to-all, in getBusBW of train/comms/pt/pytorch_backend_utils.py) is not used: only times are compared.
+* **bare**: this script under torchrun (``--bare``): per size a float32 input and output of the size,
+  ``--warmup`` calls, a barrier, then ``--iters`` back-to-back ``dist.all_to_all_single`` calls between two
+  ``time.perf_counter`` reads; the max over ranks of window / iters.
+
+Rounds alternate the order (A B C, B C A, C A B, ...) so a drift in the host's load spreads over all three;
+``os.getloadavg()`` is recorded before each command. The table gives per size the median over rounds of
+each time and of the per-round ratios commbench/bare and commbench/PARAM (a time ratio: 1.02 = commbench 2 %
+slower), the median whole-command wall time of each sweep and the load per round. The wall times include
+each tool's start-up; commbench's includes verifying every size, its in-place run of every size (twice
+PARAM's timed calls) and its report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOOLS = ("commbench", "bare", "PARAM")
+COMMAND_TIMEOUT_S = 3600
+
+
+def parse_size(text: str) -> int:
+    """1K = 1024, 64M = 64 MiB (as commbench and PARAM read sizes)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("B")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def sweep_sizes(low: int, high: int, factor: int) -> list[int]:
+    sizes, size = [], low
+    while size <= high:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This environment without a launcher's rank variables (each tool starts its own ranks)."""
+    drop = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"}
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def _run(argv: list[str], env: dict[str, str], results_marker: str = "") -> tuple[str, float]:
+    """(stdout, wall seconds); a failed command stops the benchmark, unless it printed its results
+    (``results_marker``) first: PARAM's ranks sometimes abort in their teardown ("terminate called without
+    an active exception", SIGABRT) after the table is out."""
+    started = time.monotonic()
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    wall = time.monotonic() - started
+    if done.returncode != 0 and results_marker and results_marker in done.stdout:
+        print(f"bench_param: {argv[4:6]} exited {done.returncode} after its results", file=sys.stderr)
+        return done.stdout, wall
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout)[-2000:]
+        raise SystemExit(f"bench_param: {argv[:4]}... exited {done.returncode}:\n{tail}")
+    return done.stdout, wall
+
+
+def run_commbench(args: argparse.Namespace, work: Path) -> tuple[dict[int, float], float]:
+    out = Path(tempfile.mkdtemp(prefix="commbench-", dir=work)) / "report"
+    argv = [
+        sys.executable, "-m", "commbench", "run", "--pattern", "balanced", "--backend", "gloo",
+        "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
+        "--step-factor", str(args.factor), "--iters", str(args.iters), "--warmup", str(args.warmup),
+        "--world-size", str(args.world_size), "--out", str(out),
+    ]  # fmt: skip
+    _, wall = _run(argv, _clean_env())
+    with (out / "results.csv").open() as handle:
+        times = {int(row["size_bytes"]): float(row["time_us_mean"]) for row in csv.DictReader(handle)}
+    return times, wall
+
+
+def run_param(args: argparse.Namespace, work: Path) -> tuple[dict[int, float], float]:
+    comms = Path(args.param) / "train" / "comms" / "pt" / "comms.py"
+    root = work / "param-path"
+    if not (root / "param_bench").exists():
+        root.mkdir(exist_ok=True)
+        (root / "param_bench").symlink_to(Path(args.param).resolve())
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(args.world_size), str(comms), "--backend", "gloo", "--device", "cpu",
+        "--collective", "all_to_all_single", "--begin-size", str(args.min_bytes),
+        "--end-size", str(args.max_bytes), "--f", str(args.factor), "--num_iters", str(args.iters),
+        "--w", str(args.warmup), "--blocking", "0",
+    ]  # fmt: skip
+    pythonpath = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    stdout, wall = _run(argv, _clean_env(PYTHONPATH=pythonpath), "COMMS-RES-all_to_all_single")
+    times = {}
+    for line in stdout.splitlines():
+        fields = line.split()
+        # COMMS-RES-all_to_all_single-float32  size  elements  p50  p75  p95  min  max  algbw  busbw  total
+        if fields and fields[0].startswith("COMMS-RES-all_to_all_single") and fields[1].isdigit():
+            times[int(fields[1])] = float(fields[7])
+    if not times:
+        raise SystemExit(f"bench_param: no COMMS-RES rows in PARAM's output:\n{stdout[-2000:]}")
+    return times, wall
+
+
+def run_bare(args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, float], float]:
+    argv = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(args.world_size), str(Path(__file__).resolve()), "--bare", "--sizes", ",".join(map(str, sizes)),
+        "--iters", str(args.iters), "--warmup", str(args.warmup),
+    ]  # fmt: skip
+    stdout, wall = _run(argv, _clean_env())
+    times = {}
+    for line in stdout.splitlines():
+        if line.startswith("BARE "):
+            record = json.loads(line[5:])
+            times[int(record["size"])] = float(record["max_us"])
+    return times, wall
+
+
+def bare_rank(sizes: list[int], iters: int, warmup: int) -> None:
+    """One rank of the bare loop (under torchrun): rank 0 prints one ``BARE {json}`` line per size."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # as commbench's spawned gloo ranks
+    for size in sizes:
+        elements = size // 4 // world * world
+        send = torch.ones(elements, dtype=torch.float32)
+        received = torch.empty_like(send)
+        for _ in range(warmup):
+            dist.all_to_all_single(received, send)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(iters):
+            dist.all_to_all_single(received, send)
+        seconds = (time.perf_counter() - start) / iters
+        every = [None] * world
+        dist.all_gather_object(every, seconds)
+        if dist.get_rank() == 0:
+            print("BARE " + json.dumps({"size": size, "max_us": max(every) * 1e6}), flush=True)
+    dist.destroy_process_group()
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def table(sizes: list[int], runs: list[dict], loads: list[list[float]]) -> str:
+    """The Markdown result: per size medians and ratios, sweep walls, load per round."""
+
+    def label(size: int) -> str:
+        return (
+            f"{size >> 20} MiB"
+            if size >= 1 << 20
+            else f"{size >> 10} KiB"
+            if size >= 1 << 10
+            else f"{size} B"
+        )
+
+    lines = [
+        "| size | commbench (us) | bare (us) | PARAM (us) | commbench/bare | commbench/PARAM |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size in sizes:
+        per = {tool: [run[tool][0].get(size) for run in runs] for tool in TOOLS}
+        ratio_bare = [c / b for c, b in zip(per["commbench"], per["bare"], strict=True) if c and b]
+        ratio_param = [c / p for c, p in zip(per["commbench"], per["PARAM"], strict=True) if c and p]
+        medians = [_median([t for t in per[tool] if t]) for tool in TOOLS]
+        lines.append(
+            f"| {label(size)} | {medians[0]:.1f} | {medians[1]:.1f} | {medians[2]:.1f} | "
+            f"{_median(ratio_bare):.3f} | {_median(ratio_param):.3f} |"
+        )
+    walls = {tool: _median([run[tool][1] for run in runs]) for tool in TOOLS}
+    lines += [
+        "",
+        "| sweep wall (s, median) | commbench | bare | PARAM | commbench/PARAM |",
+        "|---|---:|---:|---:|---:|",
+        f"| whole command | {walls['commbench']:.1f} | {walls['bare']:.1f} | {walls['PARAM']:.1f} | "
+        f"{walls['commbench'] / walls['PARAM']:.2f} |",
+        "",
+        "| round | order | load before each (1-min avg) |",
+        "|---:|---|---|",
+    ]
+    for index, (run, load) in enumerate(zip(runs, loads, strict=True)):
+        lines.append(f"| {index + 1} | {' '.join(run['order'])} | {' / '.join(f'{v:.1f}' for v in load)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--param", help="a checkout of facebookresearch/param (see the docstring)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--min-bytes", default="1K")
+    parser.add_argument("--max-bytes", default="64M")
+    parser.add_argument("--factor", type=int, default=2, help="size step factor (nccl-tests and PARAM -f)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
+    parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one rank of the bare loop
+    parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bare:
+        bare_rank([int(s) for s in args.sizes.split(",")], args.iters, args.warmup)
+        return
+    if not args.param or not (Path(args.param) / "train" / "comms" / "pt" / "comms.py").is_file():
+        raise SystemExit(
+            "bench_param: --param DIR must be a facebookresearch/param checkout (train/comms/pt/comms.py)"
+        )
+    sizes = sweep_sizes(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
+    runs: list[dict] = []
+    loads: list[list[float]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-param-") as folder:
+        work = Path(folder)
+        for round_index in range(args.rounds):
+            shift = round_index % len(TOOLS)
+            order = TOOLS[shift:] + TOOLS[:shift]
+            run: dict = {"order": order}
+            load: list[float] = []
+            for tool in order:
+                load.append(os.getloadavg()[0])
+                if tool == "commbench":
+                    run[tool] = run_commbench(args, work)
+                elif tool == "PARAM":
+                    run[tool] = run_param(args, work)
+                else:
+                    run[tool] = run_bare(args, sizes)
+                print(
+                    f"round {round_index + 1} {tool}: {run[tool][1]:.1f} s wall", file=sys.stderr, flush=True
+                )
+            runs.append(run)
+            loads.append(load)
+    head = (
+        f"{args.world_size} gloo ranks, sizes {args.min_bytes}..{args.max_bytes} x{args.factor}, "
+        f"{args.warmup} warm-up + {args.iters} timed iterations each, {args.rounds} rounds alternated; "
+        f"{os.cpu_count()} CPUs. Times: the slowest rank's window / iterations (us)."
+    )
+    text = head + "\n\n" + table(sizes, runs, loads) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
