@@ -237,6 +237,7 @@ def spawn(
     hung: list[int] = []
     stopped: set[int] = set()
     liveness: Liveness = {}
+    seen_at = None
     try:
         resource_tracker.ensure_running()  # started now: starting it later would unblock the stop signals
         for process, reader, (_, send) in zip(processes, readers, pipes, strict=True):
@@ -251,7 +252,7 @@ def spawn(
         if signals.signum is not None:
             _stop_on_signal(processes, signals)
         else:
-            liveness = _snapshot(processes, board)
+            liveness, seen_at = _snapshot(processes, board), time.time()
             stopped = _stop(processes, liveness)
     finally:
         _kill(processes)
@@ -266,7 +267,7 @@ def spawn(
         raise StoppedError(
             signals.signum, f"stopped by {signal_name(signals.signum)}; all {world_size} ranks were stopped"
         )
-    error = launch_error(processes, outcomes, stopped, hung, timeout_s, first_failed, liveness)
+    error = launch_error(processes, outcomes, stopped, hung, timeout_s, first_failed, liveness, seen_at)
     if error is not None:
         raise error
     return outcomes[0][1]
@@ -394,10 +395,13 @@ def launch_error(
     timeout_s: float,
     first_failed: Sequence[int] = (),
     liveness: Liveness | None = None,
+    seen_at: float | None = None,
 ) -> BaseException | None:
     """The root cause among the ranks' outcomes, or None when every rank succeeded.
 
-    ``liveness``: process state and last heartbeat of the ranks still running when the run ended.
+    ``liveness``: process state and last heartbeat of the ranks still running when the run ended, read at
+    wall time ``seen_at`` (default: now). A beat's age is taken then, not after the ranks were stopped: on a
+    loaded host stopping them takes seconds, and a healthy rank that was only waiting would look silent.
     """
     liveness = liveness or {}
     # A rank the launcher stopped reports StoppedError: the launcher's doing, not a cause.
@@ -417,7 +421,7 @@ def launch_error(
             return RuntimeError(f"rank {rank} failed with {kind}: {exc}\n{text}")
     # Ranks that stopped responding (SIGSTOP, stuck in the kernel, frozen) while their peers waited (step 4),
     # found first: step 3 needs them.
-    now = time.time()
+    now = time.time() if seen_at is None else seen_at
     silent = sorted(
         rank for rank in liveness if rank not in outcomes or isinstance(outcomes[rank][1], StoppedError)
     )

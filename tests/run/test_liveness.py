@@ -419,3 +419,21 @@ def test_a_timed_window_gets_no_beat_but_its_opening_one_and_one_per_bound() -> 
         assert len(board.walls) >= after + 3
     finally:
         monitor.close()
+
+
+def test_a_beat_is_judged_when_the_run_ended_not_after_the_ranks_were_stopped():
+    """Stopping the ranks takes seconds on a loaded host: a rank fresh at the snapshot was only waiting."""
+
+    def proc(code):
+        return SimpleNamespace(exitcode=code)
+
+    timeout = CommError("rank 0: dispatch timed out after 3 s waiting for rank 1 (...)")
+    beat = _beat(1, age_s=30.0)  # read fresh at the snapshot; 30 s old by the time the launcher judges
+    liveness = {1: ("S", beat)}
+    error = launch_error(
+        [proc(1), proc(None)], {0: ("error", timeout, "")}, {1}, [], 3.0, [0], liveness, beat.wall
+    )
+    assert error is timeout
+    # Judged at the same moment without the snapshot's time, that beat is stale: the rank is blamed.
+    error = launch_error([proc(1), proc(None)], {0: ("error", timeout, "")}, {1}, [], 3.0, [0], liveness)
+    assert "rank 1" in str(error) and "stopped responding" in str(error)
