@@ -135,6 +135,12 @@ def _worker(
     """One spawned rank: run entry and send its outcome (result, or its error as data) to the launcher over
     the pipe the launcher made for it (``outcome``, run.outcomes)."""
     name_process(f"commbench-r{rank}")
+    # Its own session, as torchrun starts its workers (start_new_session): with the kernel's scheduler
+    # autogroups (one per session) four CPU ranks in the launcher's session waited ~0.6 ms longer per
+    # 1 KiB all-to-all on 2 cores than the same ranks under torchrun (docs/measurements.md). Stop signals
+    # reach the ranks through the launcher, which forwards them, and its death through PDEATHSIG.
+    with contextlib.suppress(OSError):
+        os.setsid()
     die_with_parent(signal.SIGTERM)
     leave_the_fork_server()
 

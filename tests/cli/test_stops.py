@@ -163,9 +163,10 @@ def _argv(cell: Cell, out: Path) -> list[str]:
     return [sys.executable, "-m", "commbench", *COMMANDS[cell.command], *later, "--out", str(out)]
 
 
-def _stop(launcher: subprocess.Popen, cell: Cell) -> None:
-    if cell.when == WHOLE:
-        os.killpg(launcher.pid, signal.SIGKILL)
+def _stop(launcher: subprocess.Popen, cell: Cell, mark: str) -> None:
+    if cell.when == WHOLE:  # as the OOM killer or a lost node: every process of the run at once (the
+        os.killpg(launcher.pid, signal.SIGKILL)  # ranks run in sessions of their own, as torchrun's do)
+        kill_marked(mark)
         return
     signum, group = STOPS[cell.stop]
     if group:
@@ -212,7 +213,7 @@ def run_cell(cell: Cell, root: Path) -> Stopped:
         if cell.when == NO_ROW and _first_rows(out):
             result.problem = "a row was written before the stop"
             return result
-        _stop(launcher, cell)
+        _stop(launcher, cell, mark)
         result.gone_s = seconds_until_gone(mark, GONE_S)
         result.left = marked_processes(mark)
         result.returncode = launcher.wait(30)
