@@ -98,11 +98,11 @@ def per_gpu_figure(frame: pd.DataFrame, spec: SystemSpec) -> Any:
     positions = np.arange(len(records))
     values = cases["per_gpu_GBps"].astype(float).to_numpy()
     bars = axes.bar(positions, values, color="tab:blue")
-    for bar, record in zip(bars, records, strict=True):
-        if not has_figures(spec):  # no spec: no % label
-            break
+    # Each bar's label: its % of the spec, or without a spec its value.
+    labels = [f"{r['pct_spec']:.2g}%" for r in records] if has_figures(spec) else [f"{v:.3g}" for v in values]
+    for bar, label in zip(bars, labels, strict=True):
         axes.annotate(
-            f"{record['pct_spec']:.2g}%",
+            label,
             (bar.get_x() + bar.get_width() / 2, bar.get_height()),
             ha="center",
             va="bottom",
@@ -111,22 +111,13 @@ def per_gpu_figure(frame: pd.DataFrame, spec: SystemSpec) -> Any:
     if has_figures(spec):  # a CPU run has no spec line to draw
         axes.axhline(spec.nvlink_GBps_per_direction, color="red", linestyle="--", label=f"spec {spec.name}")
     # A bar's length reads as its value only on a linear axis from 0: log only when the bars and the spec
-    # line span more than _LOG_SPAN (a CPU run next to a 900 GB/s spec), and then each bar carries its value.
+    # line span more than _LOG_SPAN (a CPU run next to a 900 GB/s spec).
     shown = np.append(values, spec.nvlink_GBps_per_direction) if has_figures(spec) else values
     positive = shown[shown > 0]
     if positive.size and positive.max() / positive.min() > _LOG_SPAN:
         axes.set_yscale("log")
     else:
         axes.set_ylim(bottom=0)
-    if not has_figures(spec):  # no % label: the value itself
-        for bar, value in zip(bars, values, strict=True):
-            axes.annotate(
-                f"{value:.3g}",
-                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                ha="center",
-                va="bottom",
-                fontsize="x-small",
-            )
     axes.set_xticks(positions, [_case_label(r) for r in records], fontsize="x-small")
     axes.set_ylabel("per-GPU GB/s, one direction")
     title = "Achieved per-GPU bandwidth (busbw; balanced: mean time, MoE: p50)"
