@@ -47,7 +47,6 @@ derives what the skew alone costs.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -244,7 +243,7 @@ def bench(
             comm.barrier()
             phase.call()
             backend.synchronize()
-        with getattr(comm, "quiet", contextlib.nullcontext)():  # the timed loop: our threads asleep
+        with comm.quiet():  # the timed loop: our threads asleep
             if job.timing == GRAPH_TIMING:  # captured calls, replayed (run.graphs)
                 seconds, output = graphs.timed_graph(comm, backend, phase.call, job, checking)
             elif job.timing == "window":
