@@ -229,15 +229,13 @@ class StoreBoard:
             return {rank: beat for rank, beat in beats.items() if beat is not None}
 
         holder = "torchrun's agent" if self.in_agent else "rank 0"
-        try:  # a refused connection is a store that is gone (the client would retry it until its timeout)
-            socket.create_connection((self.host, self.port), timeout=self.bound_s).close()
-        except OSError as exc:
-            raise BoardUnavailable(
-                f"{self.where} is gone ({exc.strerror or exc}): {holder} has exited"
-            ) from exc
+        self._check_listening(holder)
         try:
             return _bounded(fetch, self.bound_s + 0.5)
         except TimeoutError as exc:
+            # A store whose process was exiting accepted the connection, then never answered: refused now,
+            # it is gone (the usual case when rank 0 was stopped), else it is stopped or hung.
+            self._check_listening(holder)
             raise BoardUnavailable(
                 f"{self.where} did not answer within {self.bound_s:g} s: {holder} is stopped, hung or "
                 "unreachable"
@@ -245,6 +243,16 @@ class StoreBoard:
         except Exception as exc:  # noqa: BLE001 - refused, reset, ...
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:120]
             raise BoardUnavailable(f"{self.where} cannot be read ({first}): {holder} is gone") from exc
+
+    def _check_listening(self, holder: str) -> None:
+        """BoardUnavailable "has exited" when the store refuses a connection (the client would retry it
+        until its timeout)."""
+        try:
+            socket.create_connection((self.host, self.port), timeout=self.bound_s).close()
+        except OSError as exc:
+            raise BoardUnavailable(
+                f"{self.where} is gone ({exc.strerror or exc}): {holder} has exited"
+            ) from exc
 
     def close(self) -> None:
         with self._wake:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -437,3 +438,21 @@ def test_a_beat_is_judged_when_the_run_ended_not_after_the_ranks_were_stopped():
     # Judged at the same moment without the snapshot's time, that beat is stale: the rank is blamed.
     error = launch_error([proc(1), proc(None)], {0: ("error", timeout, "")}, {1}, [], 3.0, [0], liveness)
     assert "rank 1" in str(error) and "stopped responding" in str(error)
+
+
+def test_a_store_that_accepted_then_went_away_is_named_as_exited():
+    """Rank 0 stopped mid-read (a busy host): its store accepted the connection, never answered, and is gone
+    by the time the read gives up: "has exited", not "stopped, hung or unreachable"."""
+    listener = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
+    port = listener.getsockname()[1]
+    board = StoreBoard("127.0.0.1", port, 2, bound_s=0.5)
+    threading.Timer(0.3, listener.close).start()  # rank 0's process exits during the read
+    with pytest.raises(BoardUnavailable, match=r"is gone .*rank 0 has exited"):
+        board.read()
+    board.close()
+    hung = socket.create_server(("127.0.0.1", 0))  # still listening when the read gives up: hung
+    try:
+        with pytest.raises(BoardUnavailable, match=r"did not answer within 0.5 s: rank 0 is stopped, hung"):
+            StoreBoard("127.0.0.1", hung.getsockname()[1], 2, bound_s=0.5).read()
+    finally:
+        hung.close()
