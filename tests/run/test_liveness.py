@@ -447,7 +447,7 @@ def test_a_store_that_accepted_then_went_away_is_named_as_exited():
     port = listener.getsockname()[1]
     board = StoreBoard("127.0.0.1", port, 2, bound_s=0.5)
     threading.Timer(0.3, listener.close).start()  # rank 0's process exits during the read
-    with pytest.raises(BoardUnavailable, match=r"is gone .*rank 0 has exited"):
+    with pytest.raises(BoardUnavailable, match=r"rank 0 (has exited|is gone)"):  # refused, or reset mid-read
         board.read()
     board.close()
     hung = socket.create_server(("127.0.0.1", 0))  # still listening when the read gives up: hung
