@@ -51,24 +51,35 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-# The column terms of the widest rows encoded so far, per device: a column's terms do not depend on the row
-# width, so narrower rows take a prefix. A sweep encodes its send rows and the rows it expects at every size;
-# the int64 hash of 16 M columns (64 MiB, 4 ranks) is most of that set-up's time, paid once this way.
-_COLUMNS: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-_COLUMNS_CACHED_MAX = 1 << 28  # wider rows are computed each time (the cache would hold 2 x that)
+# A column's hash is two-level, so no int64 array as wide as a row is ever made (hashing 16 M int64 column
+# indices was most of a 64 MiB sweep's set-up: ~1 s and 4 GiB of page faults per rank): a table of 64 K
+# hashed bytes, read from a per-block rotation and xor-ed with a per-block byte. Shifting a row by a
+# multiple of the block then still changes its bytes (a different rotation), as a flat hash would.
+_BLOCK = 1 << 16
+_TABLES: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # per device: (byte table twice, 0..255)
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = str(device)
+    if key not in _TABLES:
+        table = (_mix32(torch.arange(_BLOCK, dtype=torch.int64, device=device) + 0x5BD1E995) & 0xFF).to(
+            torch.uint8
+        )
+        _TABLES[key] = (torch.cat([table, table]), torch.arange(256, dtype=torch.uint8, device=device))
+    return _TABLES[key]
 
 
 def _column_terms(row_bytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(column & 0xFF, hash(column) & 0xFF) as uint8 [row_bytes] on ``device``."""
-    key = str(device)
-    cached = _COLUMNS.get(key)
-    if cached is not None and cached[0].numel() >= row_bytes:
-        return cached[0][:row_bytes], cached[1][:row_bytes]
-    column = torch.arange(row_bytes, dtype=torch.int64, device=device)
-    terms = ((column & 0xFF).to(torch.uint8), (_mix32(column + 0x5BD1E995) & 0xFF).to(torch.uint8))
-    if row_bytes <= _COLUMNS_CACHED_MAX:
-        _COLUMNS[key] = terms
-    return terms
+    """(column & 0xFF, hash(column) & 0xFF) as uint8 [row_bytes] on ``device``: the hash of column c in
+    block k = c // 64 Ki is table[(c + rotation[k]) mod 64 Ki] xor salt[k] (rotation, salt: hashes of k)."""
+    doubled, low = _tables(device)
+    blocks = max(1, -(-row_bytes // _BLOCK))
+    block = _mix32(torch.arange(blocks, dtype=torch.int64, device=device) * 0x9E3779B1 + 0x27D4EB2F)
+    rotation, salt = block & (_BLOCK - 1), ((block >> 16) & 0xFF).to(torch.uint8)
+    # unfold: row j of the view is doubled[j : j + 64 Ki], so indexing it by rotation gathers each block.
+    hashed = doubled.unfold(0, _BLOCK, 1)[rotation].bitwise_xor_(salt.unsqueeze(1)).reshape(-1)[:row_bytes]
+    column_low = low.repeat(-(-row_bytes // 256))[:row_bytes]
+    return column_low, hashed
 
 
 def encode_rows(src_rank: int | torch.Tensor, token_index: torch.Tensor, row_bytes: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ from commbench.inputs.models import ModelConfig
 from commbench.traffic.payload import (
     COMBINE_ATOL,
     COMBINE_RTOL,
+    HEADER_BYTES,
     CombineCheck,
     RowCheck,
     count_wrong_combine,
@@ -39,13 +40,24 @@ def test_header_round_trip_and_every_row_distinct():
 
 
 def test_rows_do_not_depend_on_the_widths_encoded_before():
-    # The column terms are cached across calls (the widest so far, narrower rows take a prefix): a row's
-    # bytes must be the same whatever was encoded before it.
+    # A row's bytes are the same whatever was encoded before it, and a narrower row is a wider one's prefix
+    # (a block of the column hash begins every 64 Ki columns: 70,000 columns span two).
     first = encode_rows(3, torch.arange(5), 24)
     wide = encode_rows(3, torch.arange(5), 5000)
     assert torch.equal(encode_rows(3, torch.arange(5), 24), first)
     assert torch.equal(wide[:, 8:24], first[:, 8:]) and torch.equal(wide[:, :8], first[:, :8])
     assert torch.equal(encode_rows(3, torch.arange(5), 6000)[:, :5000], wide)
+    widest = encode_rows(3, torch.arange(2), 70_000)
+    assert torch.equal(encode_rows(3, torch.arange(2), 150_000)[:, :70_000], widest)
+
+
+@pytest.mark.parametrize("shift", [256, 1 << 16, 3 << 16])
+def test_a_row_read_at_a_shifted_offset_mismatches_in_nearly_every_byte(shift):
+    # The column hash is two-level (64 Ki-byte blocks): a shift by whole blocks or by the 256-byte period of
+    # the arithmetic term must still change ~255/256 of the bytes, as a flat hash of the column would.
+    row = encode_rows(1, torch.tensor([4]), 6 << 16)[0]
+    moved = (row[HEADER_BYTES + shift :] != row[HEADER_BYTES : row.numel() - shift]).double().mean()
+    assert moved > 0.98
 
 
 def test_any_single_corrupted_byte_is_detected():
