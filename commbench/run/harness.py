@@ -29,7 +29,9 @@ VerificationError. A phase's rows (``run.rows``) take their bytes from the job's
 
 The balanced sweep times each size out-of-place (checked as above), then where the backend has one
 (``Backend.in_place``) in place, nccl-tests' in-place alltoall (one buffer in and out), timed the same way and
-never checked (undefined output): the row's ``in_place_time_us_mean`` (``run.rows.in_place_columns``).
+never checked (undefined output): the row's ``in_place_time_us_mean`` (``run.rows.in_place_columns``). Its
+warm-up is one untimed call (``IN_PLACE_WARMUP``, nccl-tests' untimed call before each window; none with
+``--warmup 0``): the same exchange at the same size has just run ``warmup + iters`` times out of place.
 
 Every timed call also records the rank's arrival: host time from the call's common start (the barrier,
 or the previous call's return in a window) until it entered the call; ranks.csv carries its p50 per rank
@@ -99,6 +101,8 @@ from commbench.traffic.plan import RankPlan
 Sink = Callable[[list[dict], list[dict]], None]
 Emit = Callable[..., None]  # (row, rank rows, the Measured it came from)
 Profiler = Callable[[PhaseProfile], None]
+# Untimed calls before the in-place window: nccl-tests' BenchTime makes one ("Sync") before each window.
+IN_PLACE_WARMUP = 1
 UNCHECKED = "n/a"  # the check of what is not verified: a backend that moves no data, the in-place all-to-all
 PROFILE_CASE_KEYS = CASE_FIELDS  # the results-row keys naming a profiled phase (profile.csv, trace.json, ...)
 
@@ -224,12 +228,18 @@ class _BackendPerSetting:
 
 
 def bench(
-    comm: Any, backend: Backend | StagePair, job: MoeJob | BalancedJob, phase: Phase, opts: RunOptions
+    comm: Any,
+    backend: Backend | StagePair,
+    job: MoeJob | BalancedJob,
+    phase: Phase,
+    opts: RunOptions,
+    warmup: int | None = None,
 ) -> Measured:
-    """Warm up, time ``job.iters`` calls the job's way and check them (see the module docstring); every
-    rank's times, arrivals and #wrong, gathered. ``opts.corrupt`` (the test hook) changes the last output on
-    rank 0 before its full check; ``opts.inject_delay`` (the other test hook) delays a rank's timed calls. A
-    phase without a check (in-place all-to-all: undefined output) is timed alone: no poison, #wrong None."""
+    """Warm up (``warmup`` calls, default ``job.warmup``), time ``job.iters`` calls the job's way and check
+    them (see the module docstring); every rank's times, arrivals and #wrong, gathered. ``opts.corrupt``
+    (the test hook) changes the last output on rank 0 before its full check; ``opts.inject_delay`` (the
+    other test hook) delays a rank's timed calls. A phase without a check (in-place all-to-all: undefined
+    output) is timed alone: no poison, #wrong None."""
     mode = check_label(backend, opts, job.timing) if phase.check is not None else UNCHECKED
     checking = mode in (*CHECK_MODES, CHECK_WINDOW_LAST)
     wrong: list[int] = []  # this rank's count per checked output
@@ -239,7 +249,7 @@ def bench(
     calls.recorder = recorder
     comm.heartbeat()
     with comm.guard(f"job {job.name!r} {phase.label}"):
-        for _ in range(job.warmup):  # warm-up
+        for _ in range(job.warmup if warmup is None else warmup):  # warm-up
             comm.barrier()
             phase.call()
             backend.synchronize()
@@ -388,8 +398,10 @@ def _run_balanced(
         pattern = balanced_pattern(comm.world_size, int(size))  # init data
         phase, in_place = alltoall_phases(comm, backend, int(size))
         measured = bench(comm, backend, job, phase, opts)  # warm-up, timed loop, verify
-        # Then in place, as nccl-tests times each size out-of-place and then in-place (timed, not checked).
-        in_place_seconds = bench(comm, backend, job, in_place, opts).seconds if in_place else None
+        # Then in place, as nccl-tests times each size out-of-place and then in-place (timed, not checked),
+        # after one untimed call as nccl-tests' BenchTime makes: the same exchange has just been warmed up.
+        warmup = min(job.warmup, IN_PLACE_WARMUP)  # --warmup 0 stays 0
+        in_place_seconds = bench(comm, backend, job, in_place, opts, warmup).seconds if in_place else None
         row_bytes = pattern.stats["bytes_per_peer"]
         row, rank_rows = maker.rows(
             "alltoall", pattern.dispatch_bytes, row_bytes, measured.seconds, measured.wrong,
