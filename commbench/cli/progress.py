@@ -11,6 +11,8 @@ import click
 from commbench.plain import knobs_text
 
 if TYPE_CHECKING:
+    import pandas as pd
+
     from commbench.inputs.specs import SystemSpec
 
 
@@ -48,13 +50,15 @@ class Progress:
         shown = knobs_text({key: value for key, value in values.items() if value is not None})
         return f" [{shown}]" if shown else ""
 
-    def __call__(self, rows: list[dict[str, Any]]) -> None:
+    def __call__(self, rows: list[dict[str, Any]], frame: pd.DataFrame | None = None) -> None:
+        """A line per finished row; ``frame``: the rows' ``results_frame`` when the caller has it."""
         from commbench.report import format_bandwidth, results_frame
         from commbench.report.pages.tables import fmt_wrong
 
         if not rows:
             return
-        for row, record in zip(rows, results_frame(rows, self.spec).to_dict("records"), strict=True):
+        frame = results_frame(rows, self.spec) if frame is None else frame
+        for row, record in zip(rows, frame.to_dict("records"), strict=True):
             self.done += 1
             phase = record.get("phase")
             skew = record.get("skew")

@@ -92,8 +92,7 @@ def _work(comm: Any, plan: LaunchPlan, held: _Rank0) -> None:
 
     def sink(rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]]) -> None:
         with deferred_stop():  # a stop signal waits until these rows are written whole
-            writer.add(rows, rank_rows)
-            progress(rows)
+            progress(rows, writer.add(rows, rank_rows))
 
     jobs, rank_rows = _run_cases(comm, plan, backend_class, layout, sink, progress, profiled)
     outcomes = []

@@ -194,13 +194,16 @@ class ReportWriter:
     def _write(self, path: Path, data: bytes | str) -> None:
         self._guarded(write_atomic, path, data)
 
-    def add(self, rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]] | None = None) -> None:
+    def add(self, rows: list[dict[str, Any]], rank_rows: list[dict[str, Any]] | None = None) -> pd.DataFrame:
         """Append finished rows to results.csv (with their bandwidth columns) and ranks.csv (with the
-        per-rank GB/s), whole rows only."""
+        per-rank GB/s), whole rows only; returns the rows' ``results_frame`` (the progress line reads its
+        figures from it: one frame per row, not two)."""
+        frame = results_frame(rows, self.spec)
         if rows:
-            self._guarded(self._results.append, file_records(results_frame(rows, self.spec)))
+            self._guarded(self._results.append, file_records(frame))
         if rank_rows:
             self._guarded(self._ranks.append, file_records(rank_frame(rank_rows)))
+        return frame
 
     def append_table(self, name: str, rows: list[dict[str, Any]]) -> None:
         """Append whole rows to one of the profiler's long tables (``EXTRA_APPENDED``: profile.csv,
