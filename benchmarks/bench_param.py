@@ -28,9 +28,10 @@ The three, each a whole command as a user would start it, every size with the sa
 Rounds alternate the order (A B C, B C A, C A B, ...) so a drift in the host's load spreads over all three;
 ``os.getloadavg()`` is recorded before each command. The table gives per size the median over rounds of
 each time and of the per-round ratios commbench/bare and commbench/PARAM (a time ratio: 1.02 = commbench 2 %
-slower), the median whole-command wall time of each sweep and the load per round. The wall times include
-each tool's start-up; commbench's includes verifying every size, its in-place run of every size (twice
-PARAM's timed calls) and its report.
+slower) with a distribution-free ~95 % confidence interval of that median in brackets (``median_interval``:
+order statistics of the rounds; with 5 rounds it is their min..max), the median whole-command wall time of
+each sweep and the load per round. The wall times include each tool's start-up; commbench's includes
+verifying every size, its in-place run of every size (twice PARAM's timed calls) and its report.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -174,6 +176,29 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median: the order statistics (k, n + 1 - k) with the
+    largest k whose coverage 1 - 2 P(Binomial(n, 1/2) < k) is still >= ``level`` (n = 5: min..max, 94 %;
+    n = 9: 2nd..8th, 96 %). (nan, nan) for fewer than two values."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n < 2:
+        return float("nan"), float("nan")
+    k, below = 1, 1 / 2**n  # below = P(B < k)
+    while k + 1 <= n // 2:
+        next_below = below + math.comb(n, k) / 2**n  # P(B < k + 1)
+        if 1 - 2 * next_below < level:
+            break
+        k, below = k + 1, next_below
+    return ordered[k - 1], ordered[n - k]
+
+
+def _ratio_cell(ratios: list[float]) -> str:
+    low, high = median_interval(ratios)
+    interval = f" [{low:.2f}, {high:.2f}]" if math.isfinite(low) else ""
+    return f"{_median(ratios):.3f}{interval}"
+
+
 def table(sizes: list[int], runs: list[dict], loads: list[list[float]]) -> str:
     """The Markdown result: per size medians and ratios, sweep walls, load per round."""
 
@@ -187,7 +212,7 @@ def table(sizes: list[int], runs: list[dict], loads: list[list[float]]) -> str:
         )
 
     lines = [
-        "| size | commbench (us) | bare (us) | PARAM (us) | commbench/bare | commbench/PARAM |",
+        "| size | commbench (us) | bare (us) | PARAM (us) | commbench/bare [CI] | commbench/PARAM [CI] |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for size in sizes:
@@ -197,7 +222,7 @@ def table(sizes: list[int], runs: list[dict], loads: list[list[float]]) -> str:
         medians = [_median([t for t in per[tool] if t]) for tool in TOOLS]
         lines.append(
             f"| {label(size)} | {medians[0]:.1f} | {medians[1]:.1f} | {medians[2]:.1f} | "
-            f"{_median(ratio_bare):.3f} | {_median(ratio_param):.3f} |"
+            f"{_ratio_cell(ratio_bare)} | {_ratio_cell(ratio_param)} |"
         )
     walls = {tool: _median([run[tool][1] for run in runs]) for tool in TOOLS}
     lines += [
