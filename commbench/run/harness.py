@@ -20,8 +20,9 @@ sentinel before each one (``Backend.poison_receive_buffers``), so a call that mo
 the previous iteration's bytes; then ``checksum`` (default) compares a checksum of each iteration's output
 with the expected one and verifies the last iteration in full, ``every`` verifies every iteration in full
 (``Phase.check``; refused with window timing). Nothing of this runs inside the timed region, and no thread
-of ours wakes there (``comm.quiet()``: ``RankMonitor.quiet``); a call's only extra work in a window is two
-clock reads and one progress store for the launcher's hang watchdog.
+of ours wakes there (``comm.quiet()``: ``RankMonitor.quiet``) and Python's garbage collector is paused (as
+``timeit`` does); a call's only extra work in a window is two clock reads and one progress store for the
+launcher's hang watchdog.
 ``wrong`` sums every rank's checked outputs; a backend that moves no data (mock, sim) is not checked and its
 rows say #wrong None (n/a). A job with wrong > 0 still writes its rows, then every rank raises
 VerificationError. A phase's rows (``run.rows``) take their bytes from the job's Pattern (the pattern
@@ -49,6 +50,8 @@ derives what the skew alone costs.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -253,7 +256,7 @@ def bench(
             comm.barrier()
             phase.call()
             backend.synchronize()
-        with comm.quiet():  # the timed loop: our threads asleep
+        with comm.quiet(), _collector_paused():  # the timed loop: our threads asleep, no GC pass
             if job.timing == GRAPH_TIMING:  # captured calls, replayed (run.graphs)
                 seconds, output = graphs.timed_graph(comm, backend, phase.call, job, checking)
             elif job.timing == "window":
@@ -279,6 +282,20 @@ def bench(
     per_output = np.array([g[1] for g in gathered], dtype=np.int64).sum(axis=0)
     wrong_total, wrong_iters = int(per_output.sum()), int(np.count_nonzero(per_output))
     return Measured(times, wrong_total, wrong_iters, arrival, wait, profile)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the timed loop, as ``timeit`` times: a full pass over rank
+    0's heap (pandas and matplotlib loaded) took 50-100 ms here, more than a whole window of small calls.
+    The loop allocates next to nothing, and the collector is back on (as it was) when it ends."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class _TimedCalls:

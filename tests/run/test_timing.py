@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -133,6 +135,19 @@ def test_bench_orders_events_as_nccl_tests(fake_cuda):
     assert fake_cuda == [*warmup, "poison", "synchronize", "barrier", *window, "barrier", "full check"]
     # One sample per rank: the window's time / iters.
     assert measured.seconds.shape == (1, 1) and measured.seconds[0, 0] == pytest.approx(ELAPSED_MS / 3e3)
+
+
+@pytest.mark.parametrize("timing", ["window", "iteration"])
+def test_the_garbage_collector_is_off_in_timed_calls_only(timing):
+    """No GC pass inside a timed loop (as timeit), on again afterwards; the warm-up runs with it on."""
+    log: list[str] = []
+    comm, backend, phase = logging_setup(log, CpuTimer)
+    phase = replace(phase, call=lambda: log.append(f"gc {gc.isenabled()}") or torch.zeros(1))
+    job = BalancedJob("balanced", [64], warmup=1, iters=2, timing=timing)
+    assert gc.isenabled()
+    bench(comm, backend, job, phase, RunOptions("nccl"))
+    assert [entry for entry in log if entry.startswith("gc")] == ["gc True", "gc False", "gc False"]
+    assert gc.isenabled()
 
 
 def test_window_of_an_emulated_backend_is_its_calls_modelled_time_per_iteration():
