@@ -15,9 +15,12 @@ The three, each a whole command as a user would start it, every size with the sa
   then timed in place too as nccl-tests does, the report written). Its time: ``time_us_mean`` of
   results.csv, the window's seconds per iteration of the slowest rank (window timing, nccl-tests' way).
 * **PARAM**: ``torchrun --standalone --nproc_per_node N comms.py --backend gloo --device cpu --collective
-  all_to_all_single --blocking 0`` (its default non-blocking mode). PARAM times a window too
-  (``run_coll_non_graph`` in train/comms/pt/comms.py: after its warm-up it adds up the time to issue
-  ``--num_iters`` calls and the final wait for all of them, then divides by the iterations), on every rank;
+  all_to_all_single --blocking 0`` (its default: every call issued with ``async_op=True``, so on gloo two
+  of them run at once on the process group's two worker threads, ``ProcessGroupGloo::Options::threads``,
+  where commbench's and the bare loop's calls run one after another as on a CUDA stream;
+  ``--param-blocking 1`` makes PARAM wait on each call). PARAM times a window too (``run_coll_non_graph``
+  in train/comms/pt/comms.py: after its warm-up it adds up the time to issue ``--num_iters`` calls and the
+  final wait for all of them, then divides by the iterations), on every rank;
   its table prints p50, p75, p95, min and max over ranks. Its time here: the max over ranks (``Max``), the
   same convention as commbench's. PARAM's bandwidth (AlgBW = bytes / p50 time, BusBW = AlgBW x (n-1)/n for
   all-to-all, in getBusBW of train/comms/pt/pytorch_backend_utils.py) is not used: only times are compared.
@@ -116,7 +119,7 @@ def run_param(args: argparse.Namespace, work: Path) -> tuple[dict[int, float], f
         str(args.world_size), str(comms), "--backend", "gloo", "--device", "cpu",
         "--collective", "all_to_all_single", "--begin-size", str(args.min_bytes),
         "--end-size", str(args.max_bytes), "--f", str(args.factor), "--num_iters", str(args.iters),
-        "--w", str(args.warmup), "--blocking", "0",
+        "--w", str(args.warmup), "--blocking", str(args.param_blocking),
     ]  # fmt: skip
     pythonpath = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
     stdout, wall = _run(argv, _clean_env(PYTHONPATH=pythonpath), "COMMS-RES-all_to_all_single")
@@ -250,6 +253,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument(
+        "--param-blocking",
+        type=int,
+        choices=(0, 1),
+        default=0,
+        help="PARAM's --blocking: 0 (its default) issues every timed call with async_op=True and waits once; "
+        "on gloo up to two then run at once on the process group's two worker threads; 1 waits on each",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one rank of the bare loop
     parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
@@ -287,6 +298,7 @@ def main() -> None:
     head = (
         f"{args.world_size} gloo ranks, sizes {args.min_bytes}..{args.max_bytes} x{args.factor}, "
         f"{args.warmup} warm-up + {args.iters} timed iterations each, {args.rounds} rounds alternated; "
+        f"PARAM --blocking {args.param_blocking}; "
         f"{os.cpu_count()} CPUs. Times: the slowest rank's window / iterations (us)."
     )
     text = head + "\n\n" + table(sizes, runs, loads) + "\n"

@@ -9,7 +9,7 @@ import click
 
 from commbench.cli import options as opt
 from commbench.errors import UsageError
-from commbench.fabric.engines import KERNELS
+from commbench.fabric.engines import KERNELS, LIBRARIES
 from commbench.inputs.specs import TRANSPORTS
 from commbench.run.declare import MAX_RANKS, MAX_TOKENS, SKEW_HELP
 
@@ -153,6 +153,13 @@ def topo(as_json: bool) -> None:
 )
 @_count_option(
     "--sms", "SMs a GPU-initiated kernel runs on [default: the library's usual, calibration.yaml]."
+)
+@click.option(
+    "--library",
+    type=click.Choice(list(LIBRARIES)),
+    default=None,
+    help="Whose kernels run the GPU-initiated engine: its fixed latency and bytes per SM, as fitted on that "
+    "library's published figures [default: deepep].",
 )
 @click.option(
     "--transport",

@@ -174,6 +174,7 @@ def case_params(
         case_spec(case),
         table,
         kernel=kernel or case.kernel,
+        library=case.library,
         sms=case.sms or None,
         cuda_graph=case.cuda_graph,
         api_overhead_s=api * 1e-6,
@@ -267,6 +268,9 @@ FIT_PARAMETERS = (
     "low-latency.kernel_latency_us",
     "row_cost_us",
     "torch_api_us",
+    # Each library's kernels against DeepEP's (calibration.yaml's library.* rows): held at 1 where none of
+    # its figures constrains one (the fit's Jacobian says so).
+    *(name for name in table_values() if name.startswith("library.")),
 )
 _AT_MOST_ONE = ("nvlink_efficiency", "scaleout_efficiency.")  # fractions of line rate
 

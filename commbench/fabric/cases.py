@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from commbench.fabric.engines import REFERENCE_LIBRARY
 from commbench.inputs.userfiles import load_package_yaml
 
 # What a published figure is (calibration.yaml's header defines each); the engine that produced it.
@@ -50,6 +51,18 @@ GPU_SPECS = {
     "H20": "hgx-h100",  # HGX H20: NVLink 4 with 18 links (900 GB/s bidirectional, as H100)
 }
 GPU_NIC_GBPS = {"B300": 800.0}  # where a case states no NIC rate and its spec's differs (ConnectX-8)
+# published.yaml's library -> whose kernels ran (fabric.engines.LIBRARIES); others run the reference's.
+CASE_LIBRARY = {
+    "deepep-normal": "deepep",
+    "deepep-ll": "deepep",
+    "deepep-v2": "deepep-v2",
+    "hybrid-ep": "hybrid-ep",
+    "uccl-ep": "uccl-ep",
+    "uccl-ep-ll": "uccl-ep",
+    "pplx": "pplx",
+    "trtllm-nvlink-one-sided": "trtllm",
+    "nccl-ep": "nccl-ep",
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,7 @@ class CalibrationCase:
     per_rank: bool = (
         False  # a low-latency kernel sending each token once per destination rank, not per expert
     )
+    library: str = REFERENCE_LIBRARY  # whose kernels ran a GPU-initiated engine (fabric.engines.LIBRARIES)
 
     @property
     def kernel(self) -> str:
@@ -220,6 +234,7 @@ def published_case(entry: Mapping[str, Any], sources: Mapping[str, Any]) -> Cali
         # TensorRT-LLM's one-sided NVLink kernels write a token once per destination rank (its notes'
         # bytes: batch x min(ep, top-k) x token bytes).
         per_rank=str(entry.get("library")) == "trtllm-nvlink-one-sided",
+        library=CASE_LIBRARY.get(str(entry.get("library")), REFERENCE_LIBRARY),
     )
 
 

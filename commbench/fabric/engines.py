@@ -12,6 +12,10 @@ An engine is how a library moves a phase's bytes (docs/fabric-model.md, "Transfe
   one message per (token, expert), issued in parallel, each from the GPU's own NIC (no PXN hop). Latency is
   a fixed kernel latency + the busiest link's bytes, nearly flat in EP size.
 
+Each library's kernels (``LIBRARIES``) run an engine with their own fixed latency and SM speed, factors on
+DeepEP's: pplx-kernels' low-latency kernels take several times DeepEP's fixed time, TensorRT-LLM's one-sided
+NVLink kernels a fraction of it, Hybrid-EP moves about twice DeepEP's bytes per SM.
+
 The scale-out transport sets the NIC efficiency and a per-message cost: InfiniBand and RoCE messages are
 posted by the NIC's hardware queues (negligible per message at these sizes); EFA is driven through a CPU proxy
 (UCCL-EP) or libfabric, which pays a per-message cost, shared by the GPU's NICs in parallel. A CUDA-graph
@@ -29,6 +33,13 @@ from typing import Any
 from commbench.inputs.userfiles import load_package_yaml
 
 KERNELS = ("nccl", "normal", "low-latency")
+# The libraries whose kernels the GPU-initiated engines stand for. DeepEP is the reference: the engines'
+# own latency and SM figures are its kernels' (most of the published figures); every other library's kernel
+# has its own fixed latency (notify, barriers, its proxy) and its own bytes per SM, each a factor on
+# DeepEP's (``library.<name>.latency_factor``, ``library.<name>.sm_speed`` in calibration.yaml, 1 where no
+# figure of the library constrains it).
+LIBRARIES = ("deepep", "deepep-v2", "hybrid-ep", "uccl-ep", "pplx", "trtllm", "nccl-ep")
+REFERENCE_LIBRARY = LIBRARIES[0]
 # The send mode each engine moves (traffic.pattern.SEND_MODES): what its bytes per link are.
 KERNEL_SEND_MODE = {"nccl": "token", "normal": "node", "low-latency": "selection"}
 
@@ -65,25 +76,43 @@ def table_values() -> dict[str, float]:
     return {name: entry.value for name, entry in parameters().items()}
 
 
-def engine_defaults(kernel: str, transport: str, table: Mapping[str, float] | None = None) -> dict[str, Any]:
-    """FabricParams values of an engine on a transport (us -> s), from ``table`` (a fit's values) or the
-    parameter table of ``calibration.yaml``."""
+def library_factors(library: str, values: Mapping[str, float]) -> tuple[float, float]:
+    """(latency factor, SM speed) of ``library``'s kernels against DeepEP's; (1, 1) for DeepEP."""
+    if library == REFERENCE_LIBRARY:
+        return 1.0, 1.0
+    return (
+        float(values.get(f"library.{library}.latency_factor", 1.0)),
+        float(values.get(f"library.{library}.sm_speed", 1.0)),
+    )
+
+
+def engine_defaults(
+    kernel: str,
+    transport: str,
+    table: Mapping[str, float] | None = None,
+    library: str = REFERENCE_LIBRARY,
+) -> dict[str, Any]:
+    """FabricParams values of an engine on a transport as ``library``'s kernels run it (us -> s), from
+    ``table`` (a fit's values) or the parameter table of ``calibration.yaml``."""
     values = table_values() if table is None else {**table_values(), **table}
 
     def value(name: str) -> float:
         return values[name]
 
     us = 1e-6
+    latency_factor, sm_speed = library_factors(library, values) if kernel != "nccl" else (1.0, 1.0)
     return {
         "nvlink_efficiency": value("nvlink_efficiency"),
         "scaleout_efficiency": value(f"scaleout_efficiency.{transport}"),
         "phase_latency_s": value("nccl.phase_latency_us") * us,
         "nvlink_peer_latency_s": value("nccl.nvlink_peer_latency_us") * us,
         "scaleout_peer_latency_s": value("nccl.scaleout_peer_latency_us") * us,
-        "kernel_latency_s": value(f"{kernel}.kernel_latency_us") * us if kernel != "nccl" else 0.0,
+        "kernel_latency_s": (
+            value(f"{kernel}.kernel_latency_us") * us * latency_factor if kernel != "nccl" else 0.0
+        ),
         "sms": int(value(f"{kernel}.sms")) if kernel != "nccl" else 0,
-        "per_sm_GBps": value("per_sm_GBps"),
-        "row_cost_s": value("row_cost_us") * us,
+        "per_sm_GBps": value("per_sm_GBps") * sm_speed,
+        "row_cost_s": value("row_cost_us") * us / sm_speed,
         "message_cost_s": value(f"message_cost_us.{transport}") * us,
         "launch_s": value("launch_us") * us,
         "rows_per_message": value("normal.rows_per_message") if kernel == "normal" else 1.0,

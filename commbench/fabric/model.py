@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from commbench.errors import UsageError
-from commbench.fabric.engines import KERNELS, engine_defaults
+from commbench.fabric.engines import KERNELS, LIBRARIES, REFERENCE_LIBRARY, engine_defaults
 from commbench.inputs.layout import Layout, build_layout
 from commbench.inputs.specs import TRANSPORTS, SystemSpec, load_spec
 
@@ -69,6 +69,7 @@ class FabricParams:
     oversubscription: float = 1.0
     pod_gpus: int = 0  # GPUs under one leaf group; 0 = one non-blocking fabric (no uplink limit)
     kernel: str = "nccl"  # transfer engine (commbench.fabric.engines.KERNELS)
+    library: str = REFERENCE_LIBRARY  # whose kernels run a GPU-initiated engine (engines.LIBRARIES)
     transport: str = "infiniband"  # scale-out transport (commbench.inputs.specs.TRANSPORTS)
     kernel_latency_s: float = 0.0  # GPU-initiated engines' fixed latency per phase (nccl: phase_latency_s)
     sms: int = 0  # SMs a GPU-initiated kernel runs on; 0 = no per-SM bound
@@ -88,12 +89,14 @@ class FabricParams:
         """``table``: parameter values by name (a fit's), else calibration.yaml's."""
         kernel = overrides.get("kernel") or "nccl"
         transport = overrides.get("transport") or spec.transport
-        if kernel not in KERNELS or transport not in TRANSPORTS:  # before their table rows are looked up
-            cls(kernel=kernel, transport=transport).validate()
+        library = overrides.get("library") or REFERENCE_LIBRARY
+        if kernel not in KERNELS or transport not in TRANSPORTS or library not in LIBRARIES:
+            cls(kernel=kernel, transport=transport, library=library).validate()  # before any table lookup
         values: dict[str, Any] = {
-            **engine_defaults(kernel, transport, table),
+            **engine_defaults(kernel, transport, table, library),
             "kernel": kernel,
             "transport": transport,
+            "library": library,
             "rail_optimized": spec.rail_optimized,
             "oversubscription": spec.oversubscription,
             "pod_gpus": spec.pod_gpus,
@@ -123,6 +126,8 @@ class FabricParams:
             raise UsageError(f"kernel {self.kernel!r} is not one of {', '.join(KERNELS)}")
         if self.transport not in TRANSPORTS:
             raise UsageError(f"transport {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if self.library not in LIBRARIES:
+            raise UsageError(f"library {self.library!r} is not one of {', '.join(LIBRARIES)}")
         for key in ("nvlink_efficiency", "scaleout_efficiency"):
             value = getattr(self, key)
             if not 0 < value <= 1:
@@ -171,7 +176,8 @@ class Fabric:
             fabric += f", {p.oversubscription:g}:1 oversubscribed above {p.pod_gpus}-GPU leaf groups"
         else:
             fabric += ", non-blocking"
-        engine = f"{p.kernel} engine" + (f" on {p.sms} SMs" if p.kernel != "nccl" and p.sms else "")
+        engine = f"{p.kernel} engine" if p.kernel == "nccl" else f"{p.kernel} engine ({p.library}'s kernels)"
+        engine += f" on {p.sms} SMs" if p.kernel != "nccl" and p.sms else ""
         engine += ", CUDA graph" if p.cuda_graph else ""
         return f"{self.spec.name}; {self.layout.describe()}; scale-out {fabric}, {p.transport}; {engine}"
 
