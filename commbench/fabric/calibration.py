@@ -273,6 +273,7 @@ FIT_PARAMETERS = (
     *(name for name in table_values() if name.startswith("library.")),
 )
 _AT_MOST_ONE = ("nvlink_efficiency", "scaleout_efficiency.")  # fractions of line rate
+_LIBRARY_SPAN = math.log(8.0)  # a library.* factor stays within 1/8..8 (log bound)
 
 
 HUBER_DELTA = 0.15  # log-error beyond which a case counts linearly, not squared (a 15% miss)
@@ -320,10 +321,19 @@ def fit_table(
     active = [n for i, n in enumerate(names) if i not in held_idx]
     if not active:
         return CalibrationFit({}, {}, names)
-    # Within a factor of e^4 (~55) of the table's value, and a fraction of line rate at most 1.
+    # Within a factor of e^4 (~55) of the table's value, a fraction of line rate at most 1, and a library's
+    # factor on DeepEP's kernels within 1/8..8 (a kernel design, not a different machine).
     x0 = np.log([max(base[n], 1e-3) for n in active])
-    high = np.array([0.0 if n.startswith(_AT_MOST_ONE) else x + 4.0 for n, x in zip(active, x0, strict=True)])
-    fit = levenberg_marquardt(residual_of(active), x0, max_iterations, bounds=(x0 - 4.0, high))
+    low = np.array(
+        [-_LIBRARY_SPAN if n.startswith("library.") else x - 4.0 for n, x in zip(active, x0, strict=True)]
+    )
+    high = np.array(
+        [
+            0.0 if n.startswith(_AT_MOST_ONE) else _LIBRARY_SPAN if n.startswith("library.") else x + 4.0
+            for n, x in zip(active, x0, strict=True)
+        ]
+    )
+    fit = levenberg_marquardt(residual_of(active), np.clip(x0, low, high), max_iterations, bounds=(low, high))
     values = dict(zip(active, fit.values.tolist(), strict=True))
     sigma = dict(zip(active, fit.relative_sigma.tolist(), strict=True))
     return CalibrationFit(values, sigma, [names[i] for i in held_idx])

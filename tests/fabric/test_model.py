@@ -150,6 +150,25 @@ def test_sm_bound_and_row_cost_of_a_normal_kernel():
     assert pred.time_s == pytest.approx(fabric.params.fixed_latency_s + sm, rel=1e-12)
 
 
+def test_a_library_runs_the_engine_with_its_own_latency_and_sm_speed():
+    # Factors on DeepEP's kernels (calibration.yaml library.*): the fixed latency scales, bytes per SM scale
+    # (per_sm_GBps up, row cost down); DeepEP's own are the engine's; the nccl engine has no library.
+    table = {"library.hybrid-ep.latency_factor": 0.5, "library.hybrid-ep.sm_speed": 2.0}
+    spec = make_fabric("hgx-h100", 8).spec
+    deepep = FabricParams.from_spec(spec, table, kernel="normal")
+    hybrid = FabricParams.from_spec(spec, table, kernel="normal", library="hybrid-ep")
+    assert deepep.library == "deepep"
+    assert hybrid.kernel_latency_s == pytest.approx(0.5 * deepep.kernel_latency_s)
+    assert hybrid.per_sm_GBps == pytest.approx(2 * deepep.per_sm_GBps)
+    assert hybrid.row_cost_s == pytest.approx(deepep.row_cost_s / 2)
+    nccl = FabricParams.from_spec(spec, table, library="hybrid-ep")
+    assert nccl.phase_latency_s == FabricParams.from_spec(spec, table).phase_latency_s
+    pplx = make_fabric("hgx-h100", 8, kernel="low-latency", library="pplx")
+    assert "pplx's kernels" in pplx.describe()
+    with pytest.raises(UsageError, match="library 'nvshmem-x' is not one of deepep"):
+        make_fabric("hgx-h100", 8, kernel="normal", library="nvshmem-x")
+
+
 def test_efa_message_cost_is_shared_by_the_nics_and_a_cuda_graph_drops_the_launch():
     traffic = balanced_traffic(16, B)
     base = {"rail_optimized": False, "kernel": "low-latency", "message_cost_s": 1e-6}
