@@ -50,9 +50,6 @@ derives what the skew alone costs.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -62,7 +59,7 @@ import numpy as np
 from commbench.errors import UsageError, VerificationError
 from commbench.inputs.layout import Layout
 from commbench.plain import knobs_text
-from commbench.run import graphs, torch_profiler
+from commbench.run import graphs
 from commbench.run.case import CASE_FIELDS
 from commbench.run.clocks import estimate_offsets
 from commbench.run.config import CHECK_MODES, GRAPH_TIMING, RunOptions
@@ -97,6 +94,7 @@ from commbench.run.placement import gather_layout
 from commbench.run.profile import PhaseProfile, RankProfile, gathered_profile
 from commbench.run.rows import NO_REFERENCE, RowMaker, in_place_columns, reference_columns
 from commbench.run.steps import NO_STEPS, StepRecorder
+from commbench.run.timed_calls import TimedCalls, collector_paused
 from commbench.traffic.nodes import Nodes
 from commbench.traffic.pattern import Pattern, balanced_pattern
 from commbench.traffic.plan import RankPlan
@@ -246,7 +244,7 @@ def bench(
     mode = check_label(backend, opts, job.timing) if phase.check is not None else UNCHECKED
     checking = mode in (*CHECK_MODES, CHECK_WINDOW_LAST)
     wrong: list[int] = []  # this rank's count per checked output
-    calls = _TimedCalls(phase, opts.delay_s(comm.rank))
+    calls = TimedCalls(phase, opts.delay_s(comm.rank))
     recorder = StepRecorder(comm.device) if opts.profile else None
     backend.steps = recorder if recorder is not None else NO_STEPS
     calls.recorder = recorder
@@ -256,7 +254,7 @@ def bench(
             comm.barrier()
             phase.call()
             backend.synchronize()
-        with comm.quiet(), _collector_paused():  # the timed loop: our threads asleep, no GC pass
+        with comm.quiet(), collector_paused():  # the timed loop: our threads asleep, no GC pass
             if job.timing == GRAPH_TIMING:  # captured calls, replayed (run.graphs)
                 seconds, output = graphs.timed_graph(comm, backend, phase.call, job, checking)
             elif job.timing == "window":
@@ -284,61 +282,8 @@ def bench(
     return Measured(times, wrong_total, wrong_iters, arrival, wait, profile)
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the timed loop, as ``timeit`` times: a full pass over rank
-    0's heap (pandas and matplotlib loaded) took 50-100 ms here, more than a whole window of small calls.
-    The loop allocates next to nothing, and the collector is back on (as it was) when it ends."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-class _TimedCalls:
-    """The phase's timed calls on this rank: each call's arrival (host seconds from ``mark()`` until the
-    call begins; the injected delay of ``--inject-delay`` sleeps first) and its wait (from entering the call
-    until ``left()``: the call's own work plus the time it waited for its peers)."""
-
-    def __init__(self, phase: Phase, delay_s: float) -> None:
-        self.phase = phase
-        self.delay_s = delay_s
-        self.arrivals: list[float] = []
-        self.waits: list[float] = []
-        self.entered_at: list[float] = []  # host clock when each call began (the profiler's arrivals)
-        self.left_at: list[float] = []
-        self.recorder: StepRecorder | None = None  # --profile: the backend's steps of each call
-        self._mark = self._entered = time.perf_counter()
-
-    def mark(self) -> None:
-        """The start every rank shares: right after the barrier (or the previous call's return)."""
-        self._mark = time.perf_counter()
-
-    def __call__(self) -> Any:
-        if self.delay_s:
-            time.sleep(self.delay_s)
-        self._entered = time.perf_counter()
-        self.arrivals.append(self._entered - self._mark)
-        self.entered_at.append(self._entered)
-        if self.recorder is not None:
-            self.recorder.begin()
-        with torch_profiler.measured(self.phase.label):  # a no-op unless --torch-profiler captures
-            return self.phase.call()
-
-    def left(self) -> None:
-        """The call is over (iteration timing: after the device synchronized; a window: when it returned)."""
-        now = time.perf_counter()
-        self.waits.append(now - self._entered)
-        self.left_at.append(now)
-        if self.recorder is not None:
-            self.recorder.end()
-
-
 def _timed_iterations(
-    comm: Any, backend: Backend | StagePair, calls: _TimedCalls, iters: int, mode: str, wrong: list[int]
+    comm: Any, backend: Backend | StagePair, calls: TimedCalls, iters: int, mode: str, wrong: list[int]
 ) -> tuple[list[float], Any]:
     """``iters`` timed calls, each after its own poison and barrier: (seconds of each, the last output).
     Appends this rank's #wrong of every iteration but the last (the caller verifies that one in full) to
@@ -372,7 +317,7 @@ def _timed_iterations(
 
 
 def _timed_window(
-    comm: Any, backend: Backend | StagePair, calls: _TimedCalls, iters: int, checking: bool
+    comm: Any, backend: Backend | StagePair, calls: TimedCalls, iters: int, checking: bool
 ) -> tuple[list[float], Any]:
     """One timer around ``iters`` back-to-back calls (nccl-tests' timed loop): ([window / iters], the last
     output). An emulated backend's modelled times are summed over the window's calls."""
