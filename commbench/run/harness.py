@@ -118,7 +118,7 @@ class Measured:
     # float64 [ranks, calls]: host seconds from each timed call's start (its barrier, or the previous call's
     # return inside a window) until the rank entered the call: what differs between ranks when one is late.
     arrival: np.ndarray | None = None
-    wait: np.ndarray | None = None  # float64 [ranks, calls]: host seconds inside each call (_TimedCalls)
+    wait: np.ndarray | None = None  # float64 [ranks, calls]: host seconds inside each call (TimedCalls)
     profile: list[RankProfile] | None = None  # --profile: every rank's timed calls and steps
 
 

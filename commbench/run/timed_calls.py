@@ -17,7 +17,7 @@ from commbench.run.steps import StepRecorder
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for the timed loop, as ``timeit`` times: a full pass over rank
-    0's heap (pandas and matplotlib loaded) took 50-100 ms here, more than a whole window of small calls.
+    0's heap (pandas and matplotlib loaded) took 21-97 ms here, more than a whole window of small calls.
     The loop allocates next to nothing, and the collector is back on (as it was) when it ends."""
     enabled = gc.isenabled()
     gc.disable()
