@@ -288,6 +288,13 @@ def huber(r: np.ndarray, delta: float = HUBER_DELTA) -> np.ndarray:
     return out
 
 
+def _log_bounds(name: str, log_value: float) -> tuple[float, float]:
+    """The fit's bounds on log(parameter) around its table value ``log_value`` (see fit_table)."""
+    if name.startswith("library."):
+        return -_LIBRARY_SPAN, _LIBRARY_SPAN
+    return log_value - 4.0, 0.0 if name.startswith(_AT_MOST_ONE) else log_value + 4.0
+
+
 @dataclass
 class CalibrationFit:
     """Fitted values (unit of calibration.yaml) with relative one-sigma, and what was held fixed."""
@@ -324,15 +331,7 @@ def fit_table(
     # Within a factor of e^4 (~55) of the table's value, a fraction of line rate at most 1, and a library's
     # factor on DeepEP's kernels within 1/8..8 (a kernel design, not a different machine).
     x0 = np.log([max(base[n], 1e-3) for n in active])
-    low = np.array(
-        [-_LIBRARY_SPAN if n.startswith("library.") else x - 4.0 for n, x in zip(active, x0, strict=True)]
-    )
-    high = np.array(
-        [
-            0.0 if n.startswith(_AT_MOST_ONE) else _LIBRARY_SPAN if n.startswith("library.") else x + 4.0
-            for n, x in zip(active, x0, strict=True)
-        ]
-    )
+    low, high = np.array([_log_bounds(n, x) for n, x in zip(active, x0, strict=True)]).T
     fit = levenberg_marquardt(residual_of(active), np.clip(x0, low, high), max_iterations, bounds=(low, high))
     values = dict(zip(active, fit.values.tolist(), strict=True))
     sigma = dict(zip(active, fit.relative_sigma.tolist(), strict=True))
