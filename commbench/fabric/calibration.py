@@ -233,7 +233,7 @@ def case_value(
     """The model's value of the case's published figure under ``table`` (and ``kernel`` instead of the
     case's engine), and the prediction behind it."""
     case = traffic.case
-    prediction = predict_loads(traffic.loads, case_fabric(case, table, kernel))
+    prediction = predict_loads(traffic.loads, case_fabric(case, table, kernel), "combine" in case.kind)
     if case.kind == "nccl_busbw":
         n = case.world_size
         return case.size_bytes * (n - 1) / n / prediction.time_s / 1e9, prediction

@@ -189,13 +189,8 @@ def published_case(entry: Mapping[str, Any], sources: Mapping[str, Any]) -> Cali
         return NotModelled(label, regime, source, f"no catalogue spec for GPU {entry.get('gpu')!r}")
     per_node = int(entry.get("gpus_per_node") or 8)
     per_domain = int(entry.get("ranks_per_domain") or per_node)
+    # ranks_per_domain 1: every peer over the NIC (DeepEP's low-latency kernels before NVLink P2P, #173).
     transport = str(entry.get("transport") or "")
-    if (
-        entry.get("library") in ("deepep-ll",)
-        and "pure RDMA" in str(where.get("title", "")) + str(entry.get("section", ""))
-        and "#173" not in str(entry.get("transport_note", ""))
-    ):
-        per_domain = 1  # DeepEP's first low-latency kernels: every peer over RDMA, intra-node too
     size = int(entry.get("size_bytes") or 0)
     if kind == "nccl_time_us" and not size and entry.get("message_bytes"):
         size = int(entry["message_bytes"]) * int(entry["world_size"])

@@ -13,8 +13,10 @@ An engine is how a library moves a phase's bytes (docs/fabric-model.md, "Transfe
   a fixed kernel latency + the busiest link's bytes, nearly flat in EP size.
 
 Each library's kernels (``LIBRARIES``) run an engine with their own fixed latency and SM speed, factors on
-DeepEP's: pplx-kernels' low-latency kernels take several times DeepEP's fixed time, TensorRT-LLM's one-sided
-NVLink kernels a fraction of it, Hybrid-EP moves about twice DeepEP's bytes per SM.
+DeepEP's: pplx-kernels' low-latency kernels take several times DeepEP's fixed time, Hybrid-EP moves about
+twice DeepEP's bytes per SM. A library's combine kernel may have its own fixed latency, a factor on its
+dispatch's: TensorRT-LLM's one-sided NVLink combine takes ~1.7x its dispatch at one token, where both move
+next to no bytes (its combine waits for every expert's output, then reduces the top-k rows).
 
 The scale-out transport sets the NIC efficiency and a per-message cost: InfiniBand and RoCE messages are
 posted by the NIC's hardware queues (negligible per message at these sizes); EFA is driven through a CPU proxy
@@ -28,7 +30,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from commbench.inputs.userfiles import load_package_yaml
 
@@ -76,13 +78,24 @@ def table_values() -> dict[str, float]:
     return {name: entry.value for name, entry in parameters().items()}
 
 
-def library_factors(library: str, values: Mapping[str, float]) -> tuple[float, float]:
-    """(latency factor, SM speed) of ``library``'s kernels against DeepEP's; (1, 1) for DeepEP."""
+class LibraryFactors(NamedTuple):
+    """A library's kernels against DeepEP's: fixed latency and bytes per SM, and its combine's fixed latency
+    against its own dispatch's."""
+
+    latency: float = 1.0
+    sm_speed: float = 1.0
+    combine_latency: float = 1.0
+
+
+def library_factors(library: str, values: Mapping[str, float]) -> LibraryFactors:
+    """``library``'s factors from ``values`` (calibration.yaml's ``library.<name>.*``); all 1 for DeepEP and
+    for a factor the table does not carry."""
     if library == REFERENCE_LIBRARY:
-        return 1.0, 1.0
-    return (
+        return LibraryFactors()
+    return LibraryFactors(
         float(values.get(f"library.{library}.latency_factor", 1.0)),
         float(values.get(f"library.{library}.sm_speed", 1.0)),
+        float(values.get(f"library.{library}.combine_latency_factor", 1.0)),
     )
 
 
@@ -100,7 +113,7 @@ def engine_defaults(
         return values[name]
 
     us = 1e-6
-    latency_factor, sm_speed = library_factors(library, values) if kernel != "nccl" else (1.0, 1.0)
+    factors = library_factors(library, values) if kernel != "nccl" else LibraryFactors()
     return {
         "nvlink_efficiency": value("nvlink_efficiency"),
         "scaleout_efficiency": value(f"scaleout_efficiency.{transport}"),
@@ -108,11 +121,12 @@ def engine_defaults(
         "nvlink_peer_latency_s": value("nccl.nvlink_peer_latency_us") * us,
         "scaleout_peer_latency_s": value("nccl.scaleout_peer_latency_us") * us,
         "kernel_latency_s": (
-            value(f"{kernel}.kernel_latency_us") * us * latency_factor if kernel != "nccl" else 0.0
+            value(f"{kernel}.kernel_latency_us") * us * factors.latency if kernel != "nccl" else 0.0
         ),
+        "combine_latency_factor": factors.combine_latency,
         "sms": int(value(f"{kernel}.sms")) if kernel != "nccl" else 0,
-        "per_sm_GBps": value("per_sm_GBps") * sm_speed,
-        "row_cost_s": value("row_cost_us") * us / sm_speed,
+        "per_sm_GBps": value("per_sm_GBps") * factors.sm_speed,
+        "row_cost_s": value("row_cost_us") * us / factors.sm_speed,
         "message_cost_s": value(f"message_cost_us.{transport}") * us,
         "launch_s": value("launch_us") * us,
         "rows_per_message": value("normal.rows_per_message") if kernel == "normal" else 1.0,

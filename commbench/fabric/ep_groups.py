@@ -389,7 +389,7 @@ def simulate(
         # GPU-initiated engines post one message per row (a token, or a selection), nccl one per peer.
         rows_in = (model.dispatch_bytes_per_token, model.combine_bytes_per_token) if gpu_initiated else (0, 0)
         dispatch = predict_phase(pattern.dispatch_bytes, fabric, rows_in[0] or None)
-        combine = predict_phase(pattern.combine_bytes, fabric, rows_in[1] or None)
+        combine = predict_phase(pattern.combine_bytes, fabric, rows_in[1] or None, combine=True)
         for phase, pred in (("dispatch", dispatch), ("combine", combine)):
             rows.append(_sim_row(world, pattern, fabric, phase, pred.time_s, pred, base))
         rows.append(_sim_row(world, pattern, fabric, "total", dispatch.time_s + combine.time_s, None, base))

@@ -72,6 +72,7 @@ class FabricParams:
     library: str = REFERENCE_LIBRARY  # whose kernels run a GPU-initiated engine (engines.LIBRARIES)
     transport: str = "infiniband"  # scale-out transport (commbench.inputs.specs.TRANSPORTS)
     kernel_latency_s: float = 0.0  # GPU-initiated engines' fixed latency per phase (nccl: phase_latency_s)
+    combine_latency_factor: float = 1.0  # the library's combine kernel's fixed latency / its dispatch's
     sms: int = 0  # SMs a GPU-initiated kernel runs on; 0 = no per-SM bound
     per_sm_GBps: float = _NCCL["per_sm_GBps"]
     row_cost_s: float = _NCCL["row_cost_s"]  # SM time per row (token or selection) a GPU kernel handles
@@ -117,8 +118,15 @@ class FabricParams:
 
     @property
     def fixed_latency_s(self) -> float:
-        """The phase's fixed time: the launch (none from a CUDA graph) + the engine's fixed latency."""
-        base = self.phase_latency_s if self.kernel == "nccl" else self.kernel_latency_s
+        """A dispatch's fixed time: the launch (none from a CUDA graph) + the engine's fixed latency."""
+        return self.phase_fixed_latency_s(combine=False)
+
+    def phase_fixed_latency_s(self, combine: bool) -> float:
+        """The phase's fixed time; a GPU-initiated combine's kernel latency x ``combine_latency_factor``."""
+        if self.kernel == "nccl":
+            base = self.phase_latency_s
+        else:
+            base = self.kernel_latency_s * (self.combine_latency_factor if combine else 1.0)
         return base + self.api_overhead_s + (0.0 if self.cuda_graph else self.launch_s)
 
     def validate(self) -> None:
@@ -143,6 +151,8 @@ class FabricParams:
                 f"sms must be >= 0, nics_per_gpu >= 1, per_sm_GBps > 0, rows_per_message >= 1; got "
                 f"{self.sms}, {self.nics_per_gpu}, {self.per_sm_GBps:g}, {self.rows_per_message:g}"
             )
+        if self.combine_latency_factor <= 0:
+            raise UsageError(f"combine_latency_factor must be > 0, got {self.combine_latency_factor:g}")
         for key in (
             "phase_latency_s",
             "nvlink_peer_latency_s",
@@ -390,8 +400,9 @@ def _uplinks(
     return np.stack([out, into], axis=1), capacity
 
 
-def predict_loads(loads: LinkLoads, fabric: Fabric) -> PhasePrediction:
-    """Phase time = fixed latency + slowest resource (docs/fabric-model.md, "Transfer engines").
+def predict_loads(loads: LinkLoads, fabric: Fabric, combine: bool = False) -> PhasePrediction:
+    """Phase time = fixed latency + slowest resource (docs/fabric-model.md, "Transfer engines"); ``combine``:
+    the phase is a combine (a library's combine kernel has its own fixed latency).
 
     A resource's time is bytes / (bw x eff) + its message latency: every peer in sequence for nccl, one
     message for the GPU-initiated engines (their peers are in flight at once); a NIC side also pays the
@@ -442,7 +453,7 @@ def predict_loads(loads: LinkLoads, fabric: Fabric) -> PhasePrediction:
     if slowest <= 0:
         neck, neck_bytes = ("latency", -1, ""), 0.0
     nvlink_bytes = float(loads.bytes[:, NVLINK, SEND].sum())
-    fixed = p.fixed_latency_s
+    fixed = p.phase_fixed_latency_s(combine)
     return PhasePrediction(
         time_s=fixed + slowest if (slowest > 0 or fixed > 0) else 1e-9,
         bottleneck_rank=neck[1],
@@ -460,10 +471,13 @@ def predict_loads(loads: LinkLoads, fabric: Fabric) -> PhasePrediction:
     )
 
 
-def predict_phase(traffic: np.ndarray, fabric: Fabric, message_bytes: float | None = None) -> PhasePrediction:
+def predict_phase(
+    traffic: np.ndarray, fabric: Fabric, message_bytes: float | None = None, combine: bool = False
+) -> PhasePrediction:
     """Predicted time of one phase whose bytes are ``traffic`` ([src][dst], or [G, m, m] groups);
-    ``message_bytes``: one message's size when the engine sends one per row (else one per peer)."""
-    return predict_loads(compute_loads(traffic, fabric, message_bytes), fabric)
+    ``message_bytes``: one message's size when the engine sends one per row (else one per peer);
+    ``combine``: the phase is a combine."""
+    return predict_loads(compute_loads(traffic, fabric, message_bytes), fabric, combine)
 
 
 def balanced_traffic(world_size: int, bytes_per_peer: float) -> np.ndarray:

@@ -169,6 +169,29 @@ def test_a_library_runs_the_engine_with_its_own_latency_and_sm_speed():
         make_fabric("hgx-h100", 8, kernel="normal", library="nvshmem-x")
 
 
+def test_a_library_combine_has_its_own_fixed_latency_and_dispatch_keeps_its_own():
+    # library.<name>.combine_latency_factor scales only a GPU-initiated combine's kernel latency: the same
+    # bytes predict dispatch and combine apart by exactly that; nccl and DeepEP's own kernels are unchanged.
+    table = {"library.trtllm.combine_latency_factor": 1.75}
+    traffic = balanced_traffic(8, 1000.0)
+    trt = _fabric_of(table, "low-latency", "trtllm")
+    dispatch, combine = predict_phase(traffic, trt), predict_phase(traffic, trt, combine=True)
+    assert combine.time_s - dispatch.time_s == pytest.approx(0.75 * trt.params.kernel_latency_s, rel=1e-9)
+    assert dispatch.time_s == pytest.approx(
+        trt.params.fixed_latency_s + max(dispatch.resource_time_s.values()), rel=1e-12
+    )
+    for kernel, library in (("nccl", "trtllm"), ("low-latency", "deepep")):
+        other = _fabric_of(table, kernel, library)
+        assert predict_phase(traffic, other, combine=True).time_s == predict_phase(traffic, other).time_s
+    with pytest.raises(UsageError, match="combine_latency_factor must be > 0"):
+        FabricParams(combine_latency_factor=0.0).validate()
+
+
+def _fabric_of(table: dict, kernel: str, library: str):
+    spec = make_fabric("gb200-nvl72", 8).spec
+    return make_fabric(spec, 8, params=FabricParams.from_spec(spec, table, kernel=kernel, library=library))
+
+
 def test_efa_message_cost_is_shared_by_the_nics_and_a_cuda_graph_drops_the_launch():
     traffic = balanced_traffic(16, B)
     base = {"rail_optimized": False, "kernel": "low-latency", "message_cost_s": 1e-6}
