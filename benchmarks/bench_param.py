@@ -2,7 +2,8 @@
 on gloo, alternated round by round: per-size medians, the ratios, each sweep's wall time and the host load.
 
     python benchmarks/bench_param.py --param DIR [--rounds 5] [--min-bytes 1K] [--max-bytes 64M]
-        [--factor 2] [--iters 20] [--warmup 5] [--world-size 4] [--out bench_param.md]
+        [--factor 2] [--iters 20] [--warmup 5] [--world-size 4] [--tools commbench,bare,PARAM]
+        [--out bench_param.md]
 
 PARAM is not part of commbench: ``--param DIR`` is a checkout of https://github.com/facebookresearch/param
 (``git clone https://github.com/facebookresearch/param DIR``; its ``train/comms/pt/comms.py`` is run). PARAM
@@ -18,15 +19,21 @@ The three, each a whole command as a user would start it, every size with the sa
   all_to_all_single --blocking 0`` (its default: every call issued with ``async_op=True``, so on gloo two
   of them run at once on the process group's two worker threads, ``ProcessGroupGloo::Options::threads``,
   where commbench's and the bare loop's calls run one after another as on a CUDA stream;
-  ``--param-blocking 1`` makes PARAM wait on each call). PARAM times a window too (``run_coll_non_graph``
-  in train/comms/pt/comms.py: after its warm-up it adds up the time to issue ``--num_iters`` calls and the
-  final wait for all of them, then divides by the iterations), on every rank;
+  ``--tools ...,PARAM-b1`` adds PARAM waiting on each call, below). PARAM times a window too
+  (``run_coll_non_graph`` in train/comms/pt/comms.py: after its warm-up it adds up the time to issue
+  ``--num_iters`` calls and the final wait for all of them, then divides by the iterations), on every rank;
   its table prints p50, p75, p95, min and max over ranks. Its time here: the max over ranks (``Max``), the
   same convention as commbench's. PARAM's bandwidth (AlgBW = bytes / p50 time, BusBW = AlgBW x (n-1)/n for
   all-to-all, in getBusBW of train/comms/pt/pytorch_backend_utils.py) is not used: only times are compared.
 * **bare**: this script under torchrun (``--bare``): per size a float32 input and output of the size,
   ``--warmup`` calls, a barrier, then ``--iters`` back-to-back ``dist.all_to_all_single`` calls between two
   ``time.perf_counter`` reads; the max over ranks of window / iters.
+
+Two more can be added with ``--tools`` to test why PARAM differs from the bare loop: **PARAM-b1** (PARAM
+with ``--blocking 1``: it waits on each call, as commbench and the bare loop do) and **bare-async** (the
+bare loop with every call issued ``async_op=True`` and one wait for all of them at the end of the window,
+PARAM's ``--blocking 0`` and nccl-tests' ``-z 0``). On a CUDA stream such calls still run one after another;
+on gloo they do not, so their window measures two collectives in flight at once.
 
 Rounds alternate the order (A B C, B C A, C A B, ...) so a drift in the host's load spreads over all three;
 ``os.getloadavg()`` is recorded before each command. The table gives per size the median over rounds of
@@ -51,7 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
-TOOLS = ("commbench", "bare", "PARAM")
+TOOLS = ("commbench", "bare", "PARAM", "PARAM-b1", "bare-async")
+DEFAULT_TOOLS = "commbench,bare,PARAM"
 COMMAND_TIMEOUT_S = 3600
 
 
@@ -108,7 +116,7 @@ def run_commbench(args: argparse.Namespace, work: Path) -> tuple[dict[int, float
     return times, wall
 
 
-def run_param(args: argparse.Namespace, work: Path) -> tuple[dict[int, float], float]:
+def run_param(args: argparse.Namespace, work: Path, blocking: int) -> tuple[dict[int, float], float]:
     comms = Path(args.param) / "train" / "comms" / "pt" / "comms.py"
     root = work / "param-path"
     if not (root / "param_bench").exists():
@@ -119,7 +127,7 @@ def run_param(args: argparse.Namespace, work: Path) -> tuple[dict[int, float], f
         str(args.world_size), str(comms), "--backend", "gloo", "--device", "cpu",
         "--collective", "all_to_all_single", "--begin-size", str(args.min_bytes),
         "--end-size", str(args.max_bytes), "--f", str(args.factor), "--num_iters", str(args.iters),
-        "--w", str(args.warmup), "--blocking", str(args.param_blocking),
+        "--w", str(args.warmup), "--blocking", str(blocking),
     ]  # fmt: skip
     pythonpath = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
     stdout, wall = _run(argv, _clean_env(PYTHONPATH=pythonpath), "COMMS-RES-all_to_all_single")
@@ -134,11 +142,11 @@ def run_param(args: argparse.Namespace, work: Path) -> tuple[dict[int, float], f
     return times, wall
 
 
-def run_bare(args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, float], float]:
+def run_bare(args: argparse.Namespace, sizes: list[int], issue_async: bool) -> tuple[dict[int, float], float]:
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
         str(args.world_size), str(Path(__file__).resolve()), "--bare", "--sizes", ",".join(map(str, sizes)),
-        "--iters", str(args.iters), "--warmup", str(args.warmup),
+        "--iters", str(args.iters), "--warmup", str(args.warmup), *(["--bare-async"] if issue_async else []),
     ]  # fmt: skip
     stdout, wall = _run(argv, _clean_env())
     times = {}
@@ -149,8 +157,9 @@ def run_bare(args: argparse.Namespace, sizes: list[int]) -> tuple[dict[int, floa
     return times, wall
 
 
-def bare_rank(sizes: list[int], iters: int, warmup: int) -> None:
-    """One rank of the bare loop (under torchrun): rank 0 prints one ``BARE {json}`` line per size."""
+def bare_rank(sizes: list[int], iters: int, warmup: int, issue_async: bool = False) -> None:
+    """One rank of the bare loop (under torchrun): rank 0 prints one ``BARE {json}`` line per size.
+    ``issue_async``: the timed calls issued with ``async_op=True``, then one wait for all of them."""
     import torch
     import torch.distributed as dist
 
@@ -165,8 +174,13 @@ def bare_rank(sizes: list[int], iters: int, warmup: int) -> None:
             dist.all_to_all_single(received, send)
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(iters):
-            dist.all_to_all_single(received, send)
+        if issue_async:
+            works = [dist.all_to_all_single(received, send, async_op=True) for _ in range(iters)]
+            for work in works:
+                work.wait()
+        else:
+            for _ in range(iters):
+                dist.all_to_all_single(received, send)
         seconds = (time.perf_counter() - start) / iters
         every = [None] * world
         dist.all_gather_object(every, seconds)
@@ -202,8 +216,9 @@ def _ratio_cell(ratios: list[float]) -> str:
     return f"{_median(ratios):.3f}{interval}"
 
 
-def table(sizes: list[int], runs: list[dict], loads: list[list[float]]) -> str:
-    """The Markdown result: per size medians and ratios, sweep walls, load per round."""
+def table(sizes: list[int], tools: tuple[str, ...], runs: list[dict], loads: list[list[float]]) -> str:
+    """The Markdown result: per size each tool's median and commbench's ratio to every other tool, the
+    sweeps' walls, the load per round."""
 
     def label(size: int) -> str:
         return (
@@ -214,26 +229,31 @@ def table(sizes: list[int], runs: list[dict], loads: list[list[float]]) -> str:
             else f"{size} B"
         )
 
+    peers = [tool for tool in tools if tool != "commbench"]
     lines = [
-        "| size | commbench (us) | bare (us) | PARAM (us) | commbench/bare [CI] | commbench/PARAM [CI] |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| size | "
+        + " | ".join(f"{tool} (us)" for tool in tools)
+        + " | "
+        + " | ".join(f"commbench/{peer} [CI]" for peer in peers)
+        + " |",
+        "|---:|" + "---:|" * (len(tools) + len(peers)),
     ]
     for size in sizes:
-        per = {tool: [run[tool][0].get(size) for run in runs] for tool in TOOLS}
-        ratio_bare = [c / b for c, b in zip(per["commbench"], per["bare"], strict=True) if c and b]
-        ratio_param = [c / p for c, p in zip(per["commbench"], per["PARAM"], strict=True) if c and p]
-        medians = [_median([t for t in per[tool] if t]) for tool in TOOLS]
-        lines.append(
-            f"| {label(size)} | {medians[0]:.1f} | {medians[1]:.1f} | {medians[2]:.1f} | "
-            f"{_ratio_cell(ratio_bare)} | {_ratio_cell(ratio_param)} |"
-        )
-    walls = {tool: _median([run[tool][1] for run in runs]) for tool in TOOLS}
+        per = {tool: [run[tool][0].get(size) for run in runs] for tool in tools}
+        cells = [f"{_median([t for t in per[tool] if t]):.1f}" for tool in tools]
+        for peer in peers:
+            ratios = [c / p for c, p in zip(per["commbench"], per[peer], strict=True) if c and p]
+            cells.append(_ratio_cell(ratios))
+        lines.append(f"| {label(size)} | " + " | ".join(cells) + " |")
+    walls = {tool: _median([run[tool][1] for run in runs]) for tool in tools}
+    reference = "PARAM" if "PARAM" in tools else peers[0] if peers else "commbench"
     lines += [
         "",
-        "| sweep wall (s, median) | commbench | bare | PARAM | commbench/PARAM |",
-        "|---|---:|---:|---:|---:|",
-        f"| whole command | {walls['commbench']:.1f} | {walls['bare']:.1f} | {walls['PARAM']:.1f} | "
-        f"{walls['commbench'] / walls['PARAM']:.2f} |",
+        "| sweep wall (s, median) | " + " | ".join(tools) + f" | commbench/{reference} |",
+        "|---|" + "---:|" * (len(tools) + 1),
+        "| whole command | "
+        + " | ".join(f"{walls[tool]:.1f}" for tool in tools)
+        + f" | {walls['commbench'] / walls[reference]:.2f} |",
         "",
         "| round | order | load before each (1-min avg) |",
         "|---:|---|---|",
@@ -254,20 +274,24 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument(
-        "--param-blocking",
-        type=int,
-        choices=(0, 1),
-        default=0,
-        help="PARAM's --blocking: 0 (its default) issues every timed call with async_op=True and waits once; "
-        "on gloo up to two then run at once on the process group's two worker threads; 1 waits on each",
+        "--tools",
+        default=DEFAULT_TOOLS,
+        help=f"comma-separated, commbench first, of {', '.join(TOOLS)}: PARAM is its default --blocking 0 "
+        "(every timed call async_op=True, one wait; on gloo two then run at once on the process group's two "
+        "worker threads), PARAM-b1 its --blocking 1 (a wait on each call), bare-async the bare loop issuing "
+        "its calls as PARAM's --blocking 0 does",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one rank of the bare loop
     parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--bare-async", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare:
-        bare_rank([int(s) for s in args.sizes.split(",")], args.iters, args.warmup)
+        bare_rank([int(s) for s in args.sizes.split(",")], args.iters, args.warmup, args.bare_async)
         return
+    tools = tuple(t.strip() for t in args.tools.split(",") if t.strip())
+    if not tools or tools[0] != "commbench" or len(set(tools)) != len(tools) or set(tools) - set(TOOLS):
+        raise SystemExit(f"bench_param: --tools must start with commbench, each of {TOOLS} at most once")
     if not args.param or not (Path(args.param) / "train" / "comms" / "pt" / "comms.py").is_file():
         raise SystemExit(
             "bench_param: --param DIR must be a facebookresearch/param checkout (train/comms/pt/comms.py)"
@@ -278,18 +302,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-param-") as folder:
         work = Path(folder)
         for round_index in range(args.rounds):
-            shift = round_index % len(TOOLS)
-            order = TOOLS[shift:] + TOOLS[:shift]
+            shift = round_index % len(tools)
+            order = tools[shift:] + tools[:shift]
             run: dict = {"order": order}
             load: list[float] = []
             for tool in order:
                 load.append(os.getloadavg()[0])
                 if tool == "commbench":
                     run[tool] = run_commbench(args, work)
-                elif tool == "PARAM":
-                    run[tool] = run_param(args, work)
+                elif tool in ("PARAM", "PARAM-b1"):
+                    run[tool] = run_param(args, work, blocking=int(tool == "PARAM-b1"))
                 else:
-                    run[tool] = run_bare(args, sizes)
+                    run[tool] = run_bare(args, sizes, issue_async=tool == "bare-async")
                 print(
                     f"round {round_index + 1} {tool}: {run[tool][1]:.1f} s wall", file=sys.stderr, flush=True
                 )
@@ -298,10 +322,9 @@ def main() -> None:
     head = (
         f"{args.world_size} gloo ranks, sizes {args.min_bytes}..{args.max_bytes} x{args.factor}, "
         f"{args.warmup} warm-up + {args.iters} timed iterations each, {args.rounds} rounds alternated; "
-        f"PARAM --blocking {args.param_blocking}; "
         f"{os.cpu_count()} CPUs. Times: the slowest rank's window / iterations (us)."
     )
-    text = head + "\n\n" + table(sizes, runs, loads) + "\n"
+    text = head + "\n\n" + table(sizes, tools, runs, loads) + "\n"
     print(text)
     if args.out is not None:
         args.out.write_text(text)
