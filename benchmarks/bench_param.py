@@ -19,7 +19,7 @@ The three, each a whole command as a user would start it, every size with the sa
   all_to_all_single --blocking 0`` (its default: every call issued with ``async_op=True``, so on gloo two
   of them run at once on the process group's two worker threads, ``ProcessGroupGloo::Options::threads``,
   where commbench's and the bare loop's calls run one after another as on a CUDA stream;
-  ``--tools ...,PARAM-b1`` adds PARAM waiting on each call, below). PARAM times a window too
+  ``--tools ...,PARAM-b1`` adds PARAM's per-call timing, below). PARAM times a window too
   (``run_coll_non_graph`` in train/comms/pt/comms.py: after its warm-up it adds up the time to issue
   ``--num_iters`` calls and the final wait for all of them, then divides by the iterations), on every rank;
   its table prints p50, p75, p95, min and max over ranks. Its time here: the max over ranks (``Max``), the
@@ -29,11 +29,15 @@ The three, each a whole command as a user would start it, every size with the sa
   ``--warmup`` calls, a barrier, then ``--iters`` back-to-back ``dist.all_to_all_single`` calls between two
   ``time.perf_counter`` reads; the max over ranks of window / iters.
 
-Two more can be added with ``--tools`` to test why PARAM differs from the bare loop: **PARAM-b1** (PARAM
-with ``--blocking 1``: it waits on each call, as commbench and the bare loop do) and **bare-async** (the
+Three more can be added with ``--tools`` to test why PARAM differs from the bare loop: **PARAM-b1** (PARAM
+with ``--blocking 1``: ``run_coll_non_graph`` then makes a barrier before every call, untimed, and times the
+call alone up to its wait; each rank adds up its own calls, and the time here is the max over ranks);
+**commbench-iter**, its like in commbench (``--timing iteration``: a barrier before every timed call, the
+call timed alone, per call the max over ranks, ``time_us_mean`` over the calls); and **bare-async** (the
 bare loop with every call issued ``async_op=True`` and one wait for all of them at the end of the window,
 PARAM's ``--blocking 0`` and nccl-tests' ``-z 0``). On a CUDA stream such calls still run one after another;
-on gloo they do not, so their window measures two collectives in flight at once.
+on gloo they do not, so their window measures two collectives in flight at once. The first tool is the one
+the ratios are of: ``commbench`` (window timing) or ``commbench-iter``.
 
 Rounds alternate the order (A B C, B C A, C A B, ...) so a drift in the host's load spreads over all three;
 ``os.getloadavg()`` is recorded before each command. The table gives per size the median over rounds of
@@ -58,7 +62,8 @@ import tempfile
 import time
 from pathlib import Path
 
-TOOLS = ("commbench", "bare", "PARAM", "PARAM-b1", "bare-async")
+TOOLS = ("commbench", "commbench-iter", "bare", "PARAM", "PARAM-b1", "bare-async")
+COMMBENCH = ("commbench", "commbench-iter")  # the first tool: the one every ratio is of
 DEFAULT_TOOLS = "commbench,bare,PARAM"
 COMMAND_TIMEOUT_S = 3600
 
@@ -102,13 +107,13 @@ def _run(argv: list[str], env: dict[str, str], results_marker: str = "") -> tupl
     return done.stdout, wall
 
 
-def run_commbench(args: argparse.Namespace, work: Path) -> tuple[dict[int, float], float]:
+def run_commbench(args: argparse.Namespace, work: Path, timing: str) -> tuple[dict[int, float], float]:
     out = Path(tempfile.mkdtemp(prefix="commbench-", dir=work)) / "report"
     argv = [
         sys.executable, "-m", "commbench", "run", "--pattern", "balanced", "--backend", "gloo",
         "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
         "--step-factor", str(args.factor), "--iters", str(args.iters), "--warmup", str(args.warmup),
-        "--world-size", str(args.world_size), "--out", str(out),
+        "--world-size", str(args.world_size), "--timing", timing, "--out", str(out),
     ]  # fmt: skip
     _, wall = _run(argv, _clean_env())
     with (out / "results.csv").open() as handle:
@@ -217,8 +222,8 @@ def _ratio_cell(ratios: list[float]) -> str:
 
 
 def table(sizes: list[int], tools: tuple[str, ...], runs: list[dict], loads: list[list[float]]) -> str:
-    """The Markdown result: per size each tool's median and commbench's ratio to every other tool, the
-    sweeps' walls, the load per round."""
+    """The Markdown result: per size each tool's median and the first tool's (a commbench) ratio to every
+    other tool, the sweeps' walls, the load per round."""
 
     def label(size: int) -> str:
         return (
@@ -229,12 +234,12 @@ def table(sizes: list[int], tools: tuple[str, ...], runs: list[dict], loads: lis
             else f"{size} B"
         )
 
-    peers = [tool for tool in tools if tool != "commbench"]
+    first, peers = tools[0], list(tools[1:])
     lines = [
         "| size | "
         + " | ".join(f"{tool} (us)" for tool in tools)
         + " | "
-        + " | ".join(f"commbench/{peer} [CI]" for peer in peers)
+        + " | ".join(f"{first}/{peer} [CI]" for peer in peers)
         + " |",
         "|---:|" + "---:|" * (len(tools) + len(peers)),
     ]
@@ -242,18 +247,18 @@ def table(sizes: list[int], tools: tuple[str, ...], runs: list[dict], loads: lis
         per = {tool: [run[tool][0].get(size) for run in runs] for tool in tools}
         cells = [f"{_median([t for t in per[tool] if t]):.1f}" for tool in tools]
         for peer in peers:
-            ratios = [c / p for c, p in zip(per["commbench"], per[peer], strict=True) if c and p]
+            ratios = [c / p for c, p in zip(per[first], per[peer], strict=True) if c and p]
             cells.append(_ratio_cell(ratios))
         lines.append(f"| {label(size)} | " + " | ".join(cells) + " |")
     walls = {tool: _median([run[tool][1] for run in runs]) for tool in tools}
-    reference = "PARAM" if "PARAM" in tools else peers[0] if peers else "commbench"
+    reference = "PARAM" if "PARAM" in tools else peers[0] if peers else first
     lines += [
         "",
-        "| sweep wall (s, median) | " + " | ".join(tools) + f" | commbench/{reference} |",
+        "| sweep wall (s, median) | " + " | ".join(tools) + f" | {first}/{reference} |",
         "|---|" + "---:|" * (len(tools) + 1),
         "| whole command | "
         + " | ".join(f"{walls[tool]:.1f}" for tool in tools)
-        + f" | {walls['commbench'] / walls[reference]:.2f} |",
+        + f" | {walls[first] / walls[reference]:.2f} |",
         "",
         "| round | order | load before each (1-min avg) |",
         "|---:|---|---|",
@@ -276,10 +281,11 @@ def main() -> None:
     parser.add_argument(
         "--tools",
         default=DEFAULT_TOOLS,
-        help=f"comma-separated, commbench first, of {', '.join(TOOLS)}: PARAM is its default --blocking 0 "
+        help=f"comma-separated, a commbench first, of {', '.join(TOOLS)}: PARAM is its default --blocking 0 "
         "(every timed call async_op=True, one wait; on gloo two then run at once on the process group's two "
-        "worker threads), PARAM-b1 its --blocking 1 (a wait on each call), bare-async the bare loop issuing "
-        "its calls as PARAM's --blocking 0 does",
+        "worker threads), PARAM-b1 its --blocking 1 (an untimed barrier before each call, each timed alone), "
+        "commbench-iter commbench's --timing iteration (the same), bare-async the bare loop issuing its "
+        "calls as PARAM's --blocking 0 does",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one rank of the bare loop
@@ -290,8 +296,10 @@ def main() -> None:
         bare_rank([int(s) for s in args.sizes.split(",")], args.iters, args.warmup, args.bare_async)
         return
     tools = tuple(t.strip() for t in args.tools.split(",") if t.strip())
-    if not tools or tools[0] != "commbench" or len(set(tools)) != len(tools) or set(tools) - set(TOOLS):
-        raise SystemExit(f"bench_param: --tools must start with commbench, each of {TOOLS} at most once")
+    if not tools or tools[0] not in COMMBENCH or len(set(tools)) != len(tools) or set(tools) - set(TOOLS):
+        raise SystemExit(
+            f"bench_param: --tools must start with one of {COMMBENCH}, each of {TOOLS} at most once"
+        )
     if not args.param or not (Path(args.param) / "train" / "comms" / "pt" / "comms.py").is_file():
         raise SystemExit(
             "bench_param: --param DIR must be a facebookresearch/param checkout (train/comms/pt/comms.py)"
@@ -308,8 +316,8 @@ def main() -> None:
             load: list[float] = []
             for tool in order:
                 load.append(os.getloadavg()[0])
-                if tool == "commbench":
-                    run[tool] = run_commbench(args, work)
+                if tool in COMMBENCH:
+                    run[tool] = run_commbench(args, work, "window" if tool == "commbench" else "iteration")
                 elif tool in ("PARAM", "PARAM-b1"):
                     run[tool] = run_param(args, work, blocking=int(tool == "PARAM-b1"))
                 else:
@@ -322,7 +330,8 @@ def main() -> None:
     head = (
         f"{args.world_size} gloo ranks, sizes {args.min_bytes}..{args.max_bytes} x{args.factor}, "
         f"{args.warmup} warm-up + {args.iters} timed iterations each, {args.rounds} rounds alternated; "
-        f"{os.cpu_count()} CPUs. Times: the slowest rank's window / iterations (us)."
+        f"{os.cpu_count()} CPUs. Times (us): the slowest rank's window / iterations; commbench-iter and "
+        "PARAM-b1 per call (see the script)."
     )
     text = head + "\n\n" + table(sizes, tools, runs, loads) + "\n"
     print(text)
