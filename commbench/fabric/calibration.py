@@ -178,6 +178,7 @@ def case_params(
         sms=case.sms or None,
         cuda_graph=case.cuda_graph,
         api_overhead_s=api * 1e-6,
+        net_max_recvs=case.net_max_recvs or None,
     )
 
 

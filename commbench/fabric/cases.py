@@ -85,6 +85,7 @@ class CalibrationCase:
     transport: str = ""  # "" = the spec's
     nic_gbps: float = 0.0  # the GPU's NIC line rate as run, Gb/s per direction; 0 = the spec's
     ranks_per_host: int = 0  # 0 = the spec's
+    net_max_recvs: int = 0  # nccl net plugin's grouped receives (FabricParams.net_max_recvs); 0 = default
     sms: int = 0  # SMs the kernel ran on; 0 = the engine's default
     tokens: int = 0  # tokens per rank of an EP case; 0 = DeepEP's test default for the kind
     hidden: int = 0  # 0 = DeepEP's 7168
@@ -217,6 +218,7 @@ def published_case(entry: Mapping[str, Any], sources: Mapping[str, Any]) -> Cali
         transport=transport if transport in ("infiniband", "roce", "efa") else "",
         nic_gbps=float(entry.get("nic_gbps") or GPU_NIC_GBPS.get(str(entry.get("gpu")), 0)),
         ranks_per_host=per_node if per_node <= per_domain and per_domain % per_node == 0 else 0,
+        net_max_recvs=int(entry.get("net_max_recvs") or 0),
         sms=_first_int(entry.get("sms")),
         tokens=int(entry.get("tokens_per_rank") or 0),
         hidden=int(entry.get("hidden") or 0),

@@ -77,6 +77,11 @@ class FabricParams:
     per_sm_GBps: float = _NCCL["per_sm_GBps"]
     row_cost_s: float = _NCCL["row_cost_s"]  # SM time per row (token or selection) a GPU kernel handles
     message_cost_s: float = 0.0  # per scale-out message, per NIC (a CPU-proxy transport's cost)
+    # nccl over PXN: how many source ranks' messages to one remote rank its net plugin receives as one
+    # (``maxRecvs``): 8 for NCCL's InfiniBand/RoCE transport (NCCL_NET_IB_MAX_RECVS) and aws-ofi-nccl from
+    # v1.19.1; 1 for aws-ofi-nccl before it (NCCL_OFI_MAX_RECVS 1): every (source, destination) pair is a
+    # message of its own on the carrier NIC.
+    net_max_recvs: int = 8
     nics_per_gpu: int = 1
     launch_s: float = _NCCL["launch_s"]  # per call, unless replayed from a CUDA graph
     cuda_graph: bool = False
@@ -146,6 +151,8 @@ class FabricParams:
             )
         if self.pod_gpus < 0:
             raise UsageError(f"pod_gpus must be >= 0 (0 = one pod), got {self.pod_gpus}")
+        if self.net_max_recvs < 1:
+            raise UsageError(f"net_max_recvs must be >= 1, got {self.net_max_recvs}")
         if self.sms < 0 or self.nics_per_gpu < 1 or self.per_sm_GBps <= 0 or self.rows_per_message < 1:
             raise UsageError(
                 f"sms must be >= 0, nics_per_gpu >= 1, per_sm_GBps > 0, rows_per_message >= 1; got "
@@ -341,11 +348,12 @@ def compute_loads(traffic: np.ndarray, fabric: Fabric, message_bytes: float | No
         # [group, src host, src local, dst host, dst local (= rail)]
         by_pair = scaleout.reshape(groups, hosts, per_host, hosts, per_host)
         by_src_rail = by_pair.sum(3)  # [g, src host, src local, rail]
-        host_to_dst = by_pair.sum(2)  # [g, src host, dst host, dst local]
         loads[:, SCALEOUT, SEND] = by_src_rail.sum(2).reshape(n)  # NIC of (src host, rail)
-        reached = host_to_dst > 0
-        msgs[:, SCALEOUT, SEND] = reached.sum(2).reshape(n)  # distinct destinations per carrier NIC
-        msgs[:, SCALEOUT, RECV] = reached.sum(1).reshape(n)  # distinct source hosts per destination
+        # A message per destination rank and group of up to net_max_recvs source ranks of the carrier's host.
+        sources = (by_pair > 0).sum(2)  # [g, src host, dst host, dst local]
+        grouped = np.ceil(sources / p.net_max_recvs)
+        msgs[:, SCALEOUT, SEND] = grouped.sum(2).reshape(n)  # per carrier NIC (src host, rail)
+        msgs[:, SCALEOUT, RECV] = grouped.sum(1).reshape(n)  # per destination
         hop = np.where(~np.eye(per_host, dtype=bool), by_src_rail, 0.0)  # src local != rail: NVLink hop
         loads[:, NVLINK, SEND] += hop.sum(3).reshape(n)
         loads[:, NVLINK, RECV] += hop.sum(2).reshape(n)

@@ -51,6 +51,24 @@ def test_pxn_forwards_over_nvlink_to_the_destination_rail():
     assert loads.messages[4, 1, 1] == 2  # rank 4 hears from two source hosts, not four ranks
 
 
+def test_a_net_plugin_without_grouped_receives_sends_one_message_per_source_rank():
+    # nccl's PXN carrier sends a remote rank the data of every local source; NCCL's IB transport receives
+    # up to 8 of them as one (maxRecvs), aws-ofi-nccl before v1.19.1 one at a time (net_max_recvs 1).
+    traffic = balanced_traffic(8, B)
+    grouped = make_fabric("gb300-nvl72", 8, ranks_per_domain=4, ranks_per_host=2)
+    single = make_fabric("gb300-nvl72", 8, ranks_per_domain=4, ranks_per_host=2, net_max_recvs=1)
+    loads = compute_loads(traffic, single)
+    assert loads.messages[0, 1, 0] == 4  # destinations 4 and 6, from sources 0 and 1 each
+    assert loads.messages[4, 1, 1] == 4  # from ranks 0, 1 (carrier 0) and 2, 3 (carrier 2)
+    assert np.array_equal(loads.bytes, compute_loads(traffic, grouped).bytes)  # same bytes, same path
+    latency = grouped.params.scaleout_peer_latency_s
+    assert predict_phase(traffic, single).time_s == pytest.approx(
+        predict_phase(traffic, grouped).time_s + 2 * latency, rel=1e-9
+    )
+    with pytest.raises(UsageError, match="net_max_recvs must be >= 1"):
+        FabricParams(net_max_recvs=0).validate()
+
+
 def test_scaleout_bottleneck_names_the_hot_receiver():
     traffic = balanced_traffic(8, B)
     traffic[:4, 5] *= 10  # domain 0 floods rank 5 in domain 1
