@@ -29,15 +29,19 @@ The three, each a whole command as a user would start it, every size with the sa
   ``--warmup`` calls, a barrier, then ``--iters`` back-to-back ``dist.all_to_all_single`` calls between two
   ``time.perf_counter`` reads; the max over ranks of window / iters.
 
-Three more can be added with ``--tools`` to test why PARAM differs from the bare loop: **PARAM-b1** (PARAM
+More can be added with ``--tools`` to test why PARAM differs from the bare loop: **PARAM-b1** (PARAM
 with ``--blocking 1``: ``run_coll_non_graph`` then makes a barrier before every call, untimed, and times the
 call alone up to its wait; each rank adds up its own calls, and the time here is the max over ranks);
 **commbench-iter**, its like in commbench (``--timing iteration``: a barrier before every timed call, the
 call timed alone, per call the max over ranks, ``time_us_mean`` over the calls); and **bare-async** (the
 bare loop with every call issued ``async_op=True`` and one wait for all of them at the end of the window,
 PARAM's ``--blocking 0`` and nccl-tests' ``-z 0``). On a CUDA stream such calls still run one after another;
-on gloo they do not, so their window measures two collectives in flight at once. The first tool is the one
-the ratios are of: ``commbench`` (window timing) or ``commbench-iter``.
+on gloo they do not, so their window measures two collectives in flight at once. **bare-iter** and
+**bare-iter-rank** are the bare loop timed as PARAM-b1 and commbench-iter are (an untimed barrier, then one
+call), each a command of its own, reported with the two statistics: bare-iter as commbench's (per call the
+max over ranks, then the mean over calls), bare-iter-rank as PARAM's (each rank's mean call, then the max
+over ranks). The first tool is the one the ratios are of: ``commbench`` (window timing) or
+``commbench-iter``.
 
 Rounds alternate the order (A B C, B C A, C A B, ...) so a drift in the host's load spreads over all three;
 ``os.getloadavg()`` is recorded before each command. The table gives per size the median over rounds of
@@ -62,7 +66,18 @@ import tempfile
 import time
 from pathlib import Path
 
-TOOLS = ("commbench", "commbench-iter", "bare", "PARAM", "PARAM-b1", "bare-async")
+TOOLS = (
+    "commbench",
+    "commbench-iter",
+    "bare",
+    "PARAM",
+    "PARAM-b1",
+    "bare-async",
+    "bare-iter",
+    "bare-iter-rank",
+)
+# The bare loop's modes: one window of calls, async calls, or an untimed barrier before each call.
+BARE_MODE = {"bare": "window", "bare-async": "async", "bare-iter": "iteration", "bare-iter-rank": "iteration"}
 COMMBENCH = ("commbench", "commbench-iter")  # the first tool: the one every ratio is of
 DEFAULT_TOOLS = "commbench,bare,PARAM"
 COMMAND_TIMEOUT_S = 3600
@@ -147,24 +162,29 @@ def run_param(args: argparse.Namespace, work: Path, blocking: int) -> tuple[dict
     return times, wall
 
 
-def run_bare(args: argparse.Namespace, sizes: list[int], issue_async: bool) -> tuple[dict[int, float], float]:
+def run_bare(args: argparse.Namespace, sizes: list[int], tool: str) -> tuple[dict[int, float], float]:
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
         str(args.world_size), str(Path(__file__).resolve()), "--bare", "--sizes", ",".join(map(str, sizes)),
-        "--iters", str(args.iters), "--warmup", str(args.warmup), *(["--bare-async"] if issue_async else []),
+        "--iters", str(args.iters), "--warmup", str(args.warmup), "--bare-mode", BARE_MODE[tool],
     ]  # fmt: skip
     stdout, wall = _run(argv, _clean_env())
+    # bare-iter-rank: PARAM-b1's statistic (each rank's mean call, the max over ranks); the others: the max
+    # over ranks per call (commbench's), a window being one call of iters.
+    key = "rank_max_us" if tool == "bare-iter-rank" else "max_us"
     times = {}
     for line in stdout.splitlines():
         if line.startswith("BARE "):
             record = json.loads(line[5:])
-            times[int(record["size"])] = float(record["max_us"])
+            times[int(record["size"])] = float(record[key])
     return times, wall
 
 
-def bare_rank(sizes: list[int], iters: int, warmup: int, issue_async: bool = False) -> None:
+def bare_rank(sizes: list[int], iters: int, warmup: int, mode: str = "window") -> None:
     """One rank of the bare loop (under torchrun): rank 0 prints one ``BARE {json}`` line per size.
-    ``issue_async``: the timed calls issued with ``async_op=True``, then one wait for all of them."""
+    ``mode``: ``window`` (back-to-back calls between two clock reads), ``async`` (the timed calls issued with
+    ``async_op=True``, then one wait for all of them) or ``iteration`` (an untimed barrier before every call,
+    each call timed alone, as commbench's ``--timing iteration`` and PARAM's ``--blocking 1``)."""
     import torch
     import torch.distributed as dist
 
@@ -177,20 +197,34 @@ def bare_rank(sizes: list[int], iters: int, warmup: int, issue_async: bool = Fal
         received = torch.empty_like(send)
         for _ in range(warmup):
             dist.all_to_all_single(received, send)
+        calls = []  # this rank's seconds per timed call (one entry: a window's mean)
         dist.barrier()
-        start = time.perf_counter()
-        if issue_async:
-            works = [dist.all_to_all_single(received, send, async_op=True) for _ in range(iters)]
-            for work in works:
-                work.wait()
-        else:
+        if mode == "iteration":
             for _ in range(iters):
+                dist.barrier()
+                start = time.perf_counter()
                 dist.all_to_all_single(received, send)
-        seconds = (time.perf_counter() - start) / iters
-        every = [None] * world
-        dist.all_gather_object(every, seconds)
+                calls.append(time.perf_counter() - start)
+        else:
+            start = time.perf_counter()
+            if mode == "async":
+                works = [dist.all_to_all_single(received, send, async_op=True) for _ in range(iters)]
+                for work in works:
+                    work.wait()
+            else:
+                for _ in range(iters):
+                    dist.all_to_all_single(received, send)
+            calls.append((time.perf_counter() - start) / iters)
+        every: list = [None] * world
+        dist.all_gather_object(every, calls)
         if dist.get_rank() == 0:
-            print("BARE " + json.dumps({"size": size, "max_us": max(every) * 1e6}), flush=True)
+            per_call_max = [max(rank[i] for rank in every) for i in range(len(calls))]
+            record = {
+                "size": size,
+                "max_us": statistics.fmean(per_call_max) * 1e6,
+                "rank_max_us": max(statistics.fmean(rank) for rank in every) * 1e6,
+            }
+            print("BARE " + json.dumps(record), flush=True)
     dist.destroy_process_group()
 
 
@@ -285,15 +319,16 @@ def main() -> None:
         "(every timed call async_op=True, one wait; on gloo two then run at once on the process group's two "
         "worker threads), PARAM-b1 its --blocking 1 (an untimed barrier before each call, each timed alone), "
         "commbench-iter commbench's --timing iteration (the same), bare-async the bare loop issuing its "
-        "calls as PARAM's --blocking 0 does",
+        "calls as PARAM's --blocking 0 does, bare-iter / bare-iter-rank the bare loop timed per call with "
+        "commbench's / PARAM's statistic",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one rank of the bare loop
     parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--bare-async", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--bare-mode", default="window", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bare:
-        bare_rank([int(s) for s in args.sizes.split(",")], args.iters, args.warmup, args.bare_async)
+        bare_rank([int(s) for s in args.sizes.split(",")], args.iters, args.warmup, args.bare_mode)
         return
     tools = tuple(t.strip() for t in args.tools.split(",") if t.strip())
     if not tools or tools[0] not in COMMBENCH or len(set(tools)) != len(tools) or set(tools) - set(TOOLS):
@@ -321,7 +356,7 @@ def main() -> None:
                 elif tool in ("PARAM", "PARAM-b1"):
                     run[tool] = run_param(args, work, blocking=int(tool == "PARAM-b1"))
                 else:
-                    run[tool] = run_bare(args, sizes, issue_async=tool == "bare-async")
+                    run[tool] = run_bare(args, sizes, tool)
                 print(
                     f"round {round_index + 1} {tool}: {run[tool][1]:.1f} s wall", file=sys.stderr, flush=True
                 )
