@@ -107,6 +107,7 @@ class FabricParams:
             "oversubscription": spec.oversubscription,
             "pod_gpus": spec.pod_gpus,
             "nics_per_gpu": spec.nics_per_gpu,
+            "net_max_recvs": spec.net_max_recvs,
             # Per-selection messages leave from the GPU's own NIC (no NVLink hop to another rail).
             "pxn": kernel != "low-latency",
         }

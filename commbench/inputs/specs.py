@@ -51,6 +51,7 @@ _KEYS: dict[str, tuple[type, bool]] = {
     "aggregate_GBps_bidirectional": (float, False),
     "nics_per_gpu": (int, False),
     "transport": (str, False),
+    "net_max_recvs": (int, False),
     "rail_optimized": (bool, False),
     "oversubscription": (float, False),
     "pod_gpus": (int, False),
@@ -86,6 +87,9 @@ class SystemSpec:
     # is paid by each NIC's proxy in parallel (docs/fabric-model.md).
     nics_per_gpu: int = 1
     transport: str = "infiniband"  # one of TRANSPORTS: the scale-out transport's efficiency and message cost
+    # nccl's net plugin's grouped receives (maxRecvs): 8 for NCCL's IB transport and aws-ofi-nccl >= 1.19.1,
+    # 1 for older aws-ofi-nccl (every PXN source rank's message to a remote rank is one of its own)
+    net_max_recvs: int = 8
     rail_optimized: bool = True
     oversubscription: float = 1.0  # scale-out leaf-to-spine oversubscription (1 = non-blocking)
     pod_gpus: int = 0  # GPUs under one leaf group; traffic leaving it shares uplinks (0 = one pod)

@@ -126,10 +126,11 @@ def test_no_link_bytes_costs_the_phase_latency():
 def test_params_from_spec_and_validation(tmp_path):
     spec = parse_spec(
         "name: x\ngpus_per_domain: 4\nnvlink_GBps_per_direction: 100\nnic_Gbps_per_direction: 100\n"
-        "nvlink_efficiency: 0.5\nphase_latency_us: 0\n"
+        "nvlink_efficiency: 0.5\nphase_latency_us: 0\nnet_max_recvs: 1\n"
     )
     params = FabricParams.from_spec(spec)
-    assert params.nvlink_efficiency == 0.5 and params.phase_latency_s == 0
+    assert params.nvlink_efficiency == 0.5 and params.phase_latency_s == 0 and params.net_max_recvs == 1
+    assert FabricParams.from_spec(spec, net_max_recvs=8).net_max_recvs == 8  # a case's statement wins
     fabric = make_fabric(spec, 4, nvlink_peer_latency_s=0.0, cuda_graph=True)
     pred = predict_phase(balanced_traffic(4, B), fabric)
     assert pred.time_s == pytest.approx(3 * B / (100e9 * 0.5))

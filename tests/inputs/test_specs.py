@@ -98,6 +98,7 @@ def test_defaults_for_optional_keys():
         (GOOD + "nvlink_efficiency: 1.5\n", "nvlink_efficiency 1.5 > 1"),
         (GOOD + "rail_optimized: maybe\n", "must be true or false"),
         (GOOD.replace("450", ".nan"), "must be positive"),
+        (GOOD + "net_max_recvs: 0\n", "net_max_recvs must be positive"),
     ],
 )
 def test_bad_spec_files_give_one_line_errors(text, expected):
