@@ -43,13 +43,13 @@ max over ranks, then the mean over calls), bare-iter-rank as PARAM's (each rank'
 over ranks). The first tool is the one the ratios are of: ``commbench`` (window timing) or
 ``commbench-iter``.
 
-Rounds alternate the order (A B C, B C A, C A B, ...) so a drift in the host's load spreads over all three;
-``os.getloadavg()`` is recorded before each command. The table gives per size the median over rounds of
-each time and of the per-round ratios commbench/bare and commbench/PARAM (a time ratio: 1.02 = commbench 2 %
+Rounds rotate the order (A B C, B C A, C A B, ...) so a drift in the host's load spreads over every tool;
+``os.getloadavg()`` is recorded before each command. The table gives per size the median over rounds of each
+time and of the per-round ratios of the first tool to each other one (a time ratio: 1.02 = the first 2 %
 slower) with a distribution-free ~95 % confidence interval of that median in brackets (``median_interval``:
 order statistics of the rounds; with 5 rounds it is their min..max), the median whole-command wall time of
-each sweep and the load per round. The wall times include each tool's start-up; commbench's includes
-verifying every size, its in-place run of every size (twice PARAM's timed calls) and its report.
+each sweep and the load per round. The wall times include each tool's start-up; commbench's includes verifying
+every size, its in-place run of every size (twice PARAM's timed calls) and its report.
 """
 
 from __future__ import annotations
