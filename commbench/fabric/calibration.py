@@ -143,13 +143,15 @@ class CaseTraffic:
 
 @functools.cache
 def case_spec(case: CalibrationCase) -> SystemSpec:
-    """The case's catalogue spec with its NIC rate and transport as run."""
+    """The case's catalogue spec with its NIC rate, transport and net plugin as run."""
     spec = load_spec(case.spec)
     changes: dict[str, Any] = {}
     if case.nic_gbps:
         changes["nic_Gbps_per_direction"] = case.nic_gbps
     if case.transport:
         changes["transport"] = case.transport
+    if case.net_max_recvs:
+        changes["net_max_recvs"] = case.net_max_recvs
     return replace(spec, **changes) if changes else spec
 
 
@@ -178,7 +180,6 @@ def case_params(
         sms=case.sms or None,
         cuda_graph=case.cuda_graph,
         api_overhead_s=api * 1e-6,
-        net_max_recvs=case.net_max_recvs or None,
     )
 
 

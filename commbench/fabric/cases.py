@@ -85,7 +85,7 @@ class CalibrationCase:
     transport: str = ""  # "" = the spec's
     nic_gbps: float = 0.0  # the GPU's NIC line rate as run, Gb/s per direction; 0 = the spec's
     ranks_per_host: int = 0  # 0 = the spec's
-    net_max_recvs: int = 0  # nccl net plugin's grouped receives (FabricParams.net_max_recvs); 0 = default
+    net_max_recvs: int = 0  # nccl net plugin's grouped receives (the spec's net_max_recvs); 0 = the spec's
     sms: int = 0  # SMs the kernel ran on; 0 = the engine's default
     tokens: int = 0  # tokens per rank of an EP case; 0 = DeepEP's test default for the kind
     hidden: int = 0  # 0 = DeepEP's 7168

@@ -77,11 +77,7 @@ class FabricParams:
     per_sm_GBps: float = _NCCL["per_sm_GBps"]
     row_cost_s: float = _NCCL["row_cost_s"]  # SM time per row (token or selection) a GPU kernel handles
     message_cost_s: float = 0.0  # per scale-out message, per NIC (a CPU-proxy transport's cost)
-    # nccl over PXN: how many source ranks' messages to one remote rank its net plugin receives as one
-    # (``maxRecvs``): 8 for NCCL's InfiniBand/RoCE transport (NCCL_NET_IB_MAX_RECVS) and aws-ofi-nccl from
-    # v1.19.1 (by default from v1.20.0); 1 for aws-ofi-nccl before it (NCCL_OFI_MAX_RECVS 1): every
-    # (source, destination) pair is a message of its own on the carrier NIC.
-    net_max_recvs: int = 8
+    net_max_recvs: int = 8  # nccl over PXN: source ranks' messages received as one (SystemSpec's field)
     nics_per_gpu: int = 1
     launch_s: float = _NCCL["launch_s"]  # per call, unless replayed from a CUDA graph
     cuda_graph: bool = False

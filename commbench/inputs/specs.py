@@ -87,8 +87,10 @@ class SystemSpec:
     # is paid by each NIC's proxy in parallel (docs/fabric-model.md).
     nics_per_gpu: int = 1
     transport: str = "infiniband"  # one of TRANSPORTS: the scale-out transport's efficiency and message cost
-    # nccl's net plugin's grouped receives (maxRecvs): 8 for NCCL's IB transport and aws-ofi-nccl >= 1.19.1,
-    # 1 for older aws-ofi-nccl (every PXN source rank's message to a remote rank is one of its own)
+    # nccl over PXN: how many source ranks' messages to one remote rank the net plugin receives as one
+    # (``maxRecvs``): 8 for NCCL's InfiniBand/RoCE transport (NCCL_NET_IB_MAX_RECVS) and aws-ofi-nccl from
+    # v1.19.1 (by default from v1.20.0); 1 for aws-ofi-nccl before it (NCCL_OFI_MAX_RECVS 1): every
+    # (source, destination) pair is a message of its own on the carrier NIC.
     net_max_recvs: int = 8
     rail_optimized: bool = True
     oversubscription: float = 1.0  # scale-out leaf-to-spine oversubscription (1 = non-blocking)

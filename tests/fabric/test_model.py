@@ -5,7 +5,7 @@ import pytest
 
 from commbench.errors import UsageError
 from commbench.fabric.model import FabricParams, balanced_traffic, compute_loads, make_fabric, predict_phase
-from commbench.inputs.specs import parse_spec
+from commbench.inputs.specs import load_spec, parse_spec
 
 B = 1_000_000.0  # bytes per peer
 
@@ -207,7 +207,7 @@ def test_a_library_combine_has_its_own_fixed_latency_and_dispatch_keeps_its_own(
 
 
 def _fabric_of(table: dict, kernel: str, library: str):
-    spec = make_fabric("gb200-nvl72", 8).spec
+    spec = load_spec("gb200-nvl72")
     return make_fabric(spec, 8, params=FabricParams.from_spec(spec, table, kernel=kernel, library=library))
 
 
