@@ -38,9 +38,10 @@ bare loop with every call issued ``async_op=True`` and one wait for all of them 
 PARAM's ``--blocking 0`` and nccl-tests' ``-z 0``). On a CUDA stream such calls still run one after another;
 on gloo they do not, so their window measures two collectives in flight at once. **bare-iter** and
 **bare-iter-rank** are the bare loop timed as PARAM-b1 and commbench-iter are (an untimed barrier, then one
-call), each a command of its own, reported with the two statistics: bare-iter as commbench's (per call the
-max over ranks, then the mean over calls), bare-iter-rank as PARAM's (each rank's mean call, then the max
-over ranks). The first tool is the one the ratios are of: ``commbench`` (window timing) or
+call), one command per round for both, its calls reported with the two statistics: bare-iter as
+commbench's (per call the max over ranks, then the mean over calls), bare-iter-rank as PARAM's (each rank's
+mean call, then the max over ranks); their ratio is of the very same calls, and both show that command's
+wall time. The first tool is the one the ratios are of: ``commbench`` (window timing) or
 ``commbench-iter``.
 
 Rounds rotate the order (A B C, B C A, C A B, ...) so a drift in the host's load spreads over every tool;
@@ -162,22 +163,27 @@ def run_param(args: argparse.Namespace, work: Path, blocking: int) -> tuple[dict
     return times, wall
 
 
-def run_bare(args: argparse.Namespace, sizes: list[int], tool: str) -> tuple[dict[int, float], float]:
+def run_bare(args: argparse.Namespace, sizes: list[int], mode: str) -> tuple[dict[int, dict], float]:
+    """One bare-loop command in ``mode``: per size its record (both statistics), and the wall time."""
     argv = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
         str(args.world_size), str(Path(__file__).resolve()), "--bare", "--sizes", ",".join(map(str, sizes)),
-        "--iters", str(args.iters), "--warmup", str(args.warmup), "--bare-mode", BARE_MODE[tool],
+        "--iters", str(args.iters), "--warmup", str(args.warmup), "--bare-mode", mode,
     ]  # fmt: skip
     stdout, wall = _run(argv, _clean_env())
-    # bare-iter-rank: PARAM-b1's statistic (each rank's mean call, the max over ranks); the others: the max
-    # over ranks per call (commbench's), a window being one call of iters.
-    key = "rank_max_us" if tool == "bare-iter-rank" else "max_us"
-    times = {}
+    records = {}
     for line in stdout.splitlines():
         if line.startswith("BARE "):
             record = json.loads(line[5:])
-            times[int(record["size"])] = float(record[key])
-    return times, wall
+            records[int(record["size"])] = record
+    return records, wall
+
+
+def bare_times(records: dict[int, dict], tool: str) -> dict[int, float]:
+    """A bare tool's time per size: bare-iter-rank reads PARAM-b1's statistic (each rank's mean call, the
+    max over ranks), the others the max over ranks per call (commbench's; a window is one call of iters)."""
+    key = "rank_max_us" if tool == "bare-iter-rank" else "max_us"
+    return {size: float(record[key]) for size, record in records.items()}
 
 
 def bare_rank(sizes: list[int], iters: int, warmup: int, mode: str = "window") -> None:
@@ -349,6 +355,7 @@ def main() -> None:
             order = tools[shift:] + tools[:shift]
             run: dict = {"order": order}
             load: list[float] = []
+            bare_runs: dict[str, tuple[dict[int, dict], float]] = {}  # one command per mode and round
             for tool in order:
                 load.append(os.getloadavg()[0])
                 if tool in COMMBENCH:
@@ -356,7 +363,11 @@ def main() -> None:
                 elif tool in ("PARAM", "PARAM-b1"):
                     run[tool] = run_param(args, work, blocking=int(tool == "PARAM-b1"))
                 else:
-                    run[tool] = run_bare(args, sizes, tool)
+                    mode = BARE_MODE[tool]
+                    if mode not in bare_runs:
+                        bare_runs[mode] = run_bare(args, sizes, mode)
+                    records, wall = bare_runs[mode]
+                    run[tool] = (bare_times(records, tool), wall)
                 print(
                     f"round {round_index + 1} {tool}: {run[tool][1]:.1f} s wall", file=sys.stderr, flush=True
                 )
