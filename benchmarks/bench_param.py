@@ -14,11 +14,13 @@ The three, each a whole command as a user would start it, every size with the sa
 
 * **commbench**: ``commbench run --pattern balanced --backend gloo`` (spawned ranks, every size verified,
   then timed in place too as nccl-tests does, the report written). Its time: ``time_us_mean`` of
-  results.csv, the window's seconds per iteration of the slowest rank (window timing, nccl-tests' way).
+  results.csv, the window's seconds per iteration of the slowest rank (window timing, nccl-tests' way),
+  its calls issued without waiting for each (``--blocking 0``, its default and nccl-tests' ``-z 0``: on
+  gloo async calls, as PARAM's default issues them).
 * **PARAM**: ``torchrun --standalone --nproc_per_node N comms.py --backend gloo --device cpu --collective
   all_to_all_single --blocking 0`` (its default: every call issued with ``async_op=True``, so on gloo two
   of them run at once on the process group's two worker threads, ``ProcessGroupGloo::Options::threads``,
-  where commbench's and the bare loop's calls run one after another as on a CUDA stream;
+  as commbench's ``--blocking 0`` calls do, where the bare loop's blocking calls run one after another;
   ``--tools ...,PARAM-b1`` adds PARAM's per-call timing, below). PARAM times a window too
   (``run_coll_non_graph`` in train/comms/pt/comms.py: after its warm-up it adds up the time to issue
   ``--num_iters`` calls and the final wait for all of them, then divides by the iterations), on every rank;
@@ -29,19 +31,20 @@ The three, each a whole command as a user would start it, every size with the sa
   ``--warmup`` calls, a barrier, then ``--iters`` back-to-back ``dist.all_to_all_single`` calls between two
   ``time.perf_counter`` reads; the max over ranks of window / iters.
 
-More can be added with ``--tools`` to test why PARAM differs from the bare loop: **PARAM-b1** (PARAM
-with ``--blocking 1``: ``run_coll_non_graph`` then makes a barrier before every call, untimed, and times the
-call alone up to its wait; each rank adds up its own calls, and the time here is the max over ranks);
-**commbench-iter**, its like in commbench (``--timing iteration``: a barrier before every timed call, the
-call timed alone, per call the max over ranks, ``time_us_mean`` over the calls); and **bare-async** (the
-bare loop with every call issued ``async_op=True`` and one wait for all of them at the end of the window,
-PARAM's ``--blocking 0`` and nccl-tests' ``-z 0``). On a CUDA stream such calls still run one after another;
-on gloo they do not, so their window measures two collectives in flight at once. **bare-iter** and
-**bare-iter-rank** are the bare loop timed as PARAM-b1 and commbench-iter are (an untimed barrier, then one
-call), one command per round for both, its calls reported with the two statistics: bare-iter as
+More can be added with ``--tools`` to test why PARAM differs from the bare loop: **commbench-b1** (commbench
+``--blocking 1``: the host waits for each call of the window, as the bare loop's blocking calls do);
+**PARAM-b1** (PARAM with ``--blocking 1``: ``run_coll_non_graph`` then makes a barrier before every call,
+untimed, and times the call alone up to its wait; each rank adds up its own calls, and the time here is the
+max over ranks); **commbench-iter**, its like in commbench (``--timing iteration``: a barrier before every
+timed call, the call timed alone, per call the max over ranks, ``time_us_mean`` over the calls); and
+**bare-async** (the bare loop with every call issued ``async_op=True`` and one wait for all of them at the end
+of the window, PARAM's ``--blocking 0`` and nccl-tests' ``-z 0``). On a CUDA stream such calls still run one
+after another; on gloo they do not, so their window measures two collectives in flight at once. **bare-iter**
+and **bare-iter-rank** are the bare loop timed as PARAM-b1 and commbench-iter are (an untimed barrier, then
+one call), one command per round for both, its calls reported with the two statistics: bare-iter as
 commbench's (per call the max over ranks, then the mean over calls), bare-iter-rank as PARAM's (each rank's
-mean call, then the max over ranks); their ratio is of the very same calls, and both show that command's
-wall time. The first tool is the one the ratios are of: ``commbench`` (window timing) or
+mean call, then the max over ranks); their ratio is of the very same calls, and both show that command's wall
+time. The first tool is the one the ratios are of: ``commbench`` (window timing), ``commbench-b1`` or
 ``commbench-iter``.
 
 Rounds rotate the order (A B C, B C A, C A B, ...) so a drift in the host's load spreads over every tool;
@@ -69,6 +72,7 @@ from pathlib import Path
 
 TOOLS = (
     "commbench",
+    "commbench-b1",
     "commbench-iter",
     "bare",
     "PARAM",
@@ -79,7 +83,8 @@ TOOLS = (
 )
 # The bare loop's modes: one window of calls, async calls, or an untimed barrier before each call.
 BARE_MODE = {"bare": "window", "bare-async": "async", "bare-iter": "iteration", "bare-iter-rank": "iteration"}
-COMMBENCH = ("commbench", "commbench-iter")  # the first tool: the one every ratio is of
+# How each commbench tool is run (--timing, --blocking); the first tool is one: the one every ratio is of.
+COMMBENCH = {"commbench": ("window", 0), "commbench-b1": ("window", 1), "commbench-iter": ("iteration", 0)}
 DEFAULT_TOOLS = "commbench,bare,PARAM"
 COMMAND_TIMEOUT_S = 3600
 
@@ -123,13 +128,15 @@ def _run(argv: list[str], env: dict[str, str], results_marker: str = "") -> tupl
     return done.stdout, wall
 
 
-def run_commbench(args: argparse.Namespace, work: Path, timing: str) -> tuple[dict[int, float], float]:
+def run_commbench(args: argparse.Namespace, work: Path, tool: str) -> tuple[dict[int, float], float]:
     out = Path(tempfile.mkdtemp(prefix="commbench-", dir=work)) / "report"
+    timing, blocking = COMMBENCH[tool]
     argv = [
         sys.executable, "-m", "commbench", "run", "--pattern", "balanced", "--backend", "gloo",
         "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
         "--step-factor", str(args.factor), "--iters", str(args.iters), "--warmup", str(args.warmup),
-        "--world-size", str(args.world_size), "--timing", timing, "--out", str(out),
+        "--world-size", str(args.world_size), "--timing", timing, "--blocking", str(blocking),
+        "--out", str(out),
     ]  # fmt: skip
     _, wall = _run(argv, _clean_env())
     with (out / "results.csv").open() as handle:
@@ -324,7 +331,8 @@ def main() -> None:
         help=f"comma-separated, a commbench first, of {', '.join(TOOLS)}: PARAM is its default --blocking 0 "
         "(every timed call async_op=True, one wait; on gloo two then run at once on the process group's two "
         "worker threads), PARAM-b1 its --blocking 1 (an untimed barrier before each call, each timed alone), "
-        "commbench-iter commbench's --timing iteration (the same), bare-async the bare loop issuing its "
+        "commbench-b1 commbench's --blocking 1 (each call of its window waited for, as the bare loop does), "
+        "commbench-iter commbench's --timing iteration (as PARAM-b1), bare-async the bare loop issuing its "
         "calls as PARAM's --blocking 0 does, bare-iter / bare-iter-rank the bare loop timed per call with "
         "commbench's / PARAM's statistic",
     )
@@ -339,7 +347,7 @@ def main() -> None:
     tools = tuple(t.strip() for t in args.tools.split(",") if t.strip())
     if not tools or tools[0] not in COMMBENCH or len(set(tools)) != len(tools) or set(tools) - set(TOOLS):
         raise SystemExit(
-            f"bench_param: --tools must start with one of {COMMBENCH}, each of {TOOLS} at most once"
+            f"bench_param: --tools must start with one of {tuple(COMMBENCH)}, each of {TOOLS} at most once"
         )
     if not args.param or not (Path(args.param) / "train" / "comms" / "pt" / "comms.py").is_file():
         raise SystemExit(
@@ -359,7 +367,7 @@ def main() -> None:
             for tool in order:
                 load.append(os.getloadavg()[0])
                 if tool in COMMBENCH:
-                    run[tool] = run_commbench(args, work, "window" if tool == "commbench" else "iteration")
+                    run[tool] = run_commbench(args, work, tool)
                 elif tool in ("PARAM", "PARAM-b1"):
                     run[tool] = run_param(args, work, blocking=int(tool == "PARAM-b1"))
                 else:

@@ -62,6 +62,7 @@ class TorchDistBackend(DeclaredOptions, Backend):
         self._static_recv_splits: list[int] | None = None
         self._cached_counts: torch.Tensor | None = None
         self._cached_recv_splits: list[int] = []
+        self._in_flight: list[Any] = []  # the works of calls issued with blocking False, not yet waited for
 
     def setup(self, plan: RankPlan) -> None:
         device = self.comm.device
@@ -115,12 +116,15 @@ class TorchDistBackend(DeclaredOptions, Backend):
             with self.steps("pack"):
                 send = torch.index_select(tokens, 0, plan.send_token_index, out=self._send_buffer)
         with self.steps("payload transfer"):
-            dist.all_to_all_single(
-                received,
-                send,
-                output_split_sizes=recv_splits,
-                input_split_sizes=self._send_splits,
-                group=self.comm.group,
+            self._issued(
+                dist.all_to_all_single(
+                    received,
+                    send,
+                    output_split_sizes=recv_splits,
+                    input_split_sizes=self._send_splits,
+                    group=self.comm.group,
+                    async_op=not self.blocking,
+                )
             )
         # No unpack: all_to_all_single delivers the rows in source order, as the harness expects them.
         return received
@@ -128,10 +132,30 @@ class TorchDistBackend(DeclaredOptions, Backend):
     def dispatch_in_place(self, buffer: torch.Tensor, plan: RankPlan) -> torch.Tensor:
         splits = self._send_splits  # balanced: as many rows from each source as to each destination
         with self.steps("payload transfer"):
-            dist.all_to_all_single(
-                buffer, buffer, output_split_sizes=splits, input_split_sizes=splits, group=self.comm.group
+            self._issued(
+                dist.all_to_all_single(
+                    buffer,
+                    buffer,
+                    output_split_sizes=splits,
+                    input_split_sizes=splits,
+                    group=self.comm.group,
+                    async_op=not self.blocking,
+                )
             )
         return buffer
+
+    def _issued(self, work: Any) -> None:
+        # An async call's work (blocking False), waited for by synchronize. Its calls in flight together
+        # write the same bytes into one receive buffer and read one send buffer that a later pack rewrites
+        # with the same bytes, so the window's last output is what one call alone delivers.
+        if work is not None:
+            self._in_flight.append(work)
+
+    def synchronize(self) -> None:
+        in_flight, self._in_flight = self._in_flight, []
+        for work in in_flight:  # under the group's timeout, as a blocking call is
+            work.wait()
+        super().synchronize()
 
     def combine(self, expert_out: torch.Tensor, plan: RankPlan, recv_counts: torch.Tensor) -> torch.Tensor:
         hidden = int(expert_out.shape[1])

@@ -24,7 +24,8 @@ from commbench.cli.ending import finish_partial_report, stopped_error, verdict_l
 from commbench.cli.inputs import MAX_CASES
 from commbench.cli.plan import LaunchPlan
 from commbench.errors import UsageError
-from commbench.run.config import RESUME_FREE, RunConfig, config_to_meta
+from commbench.run.config import RESUME_FREE, RunConfig
+from commbench.run.config_meta import config_to_meta
 
 if TYPE_CHECKING:
     from commbench.backends.options import OptionSweep

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from commbench.errors import UsageError
-from commbench.run.config import RunConfig, config_leaves, config_to_meta
+from commbench.run.config import RunConfig
+from commbench.run.config_meta import config_leaves, config_to_meta
 
 if TYPE_CHECKING:
     import pandas as pd

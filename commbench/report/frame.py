@@ -44,15 +44,18 @@ Conventions
   Dropped selections (mask ratio, capacity) send nothing.
 - size(B): the bottleneck rank's max(bytes sent, bytes received), self traffic (a rank to itself) INCLUDED.
   For the balanced all-to-all, size = bytes each rank sends in total (nccl-tests alltoall size).
-- time(us): the row's timing column says how it was timed (rows without one: iteration). iteration = a
-  barrier before each timed iteration; an iteration's time is its maximum across ranks; min, p50, p99 and
-  mean are taken over the timed iterations. window (as nccl-tests) = the timed iterations run back to back
-  in one window, no barrier between them; a rank's time = window / iterations, the row's time = the maximum
-  across ranks (nccl-tests' default, -a 1, averages across ranks instead). graph (--cuda-graph N, as
-  nccl-tests -G) = N calls captured into one CUDA graph, the graph replayed --iters times back to back in
-  one window: a rank's time = window / (iters x N), the row's time = the maximum across ranks; no host
-  launch per call, so it is the device time of the call (a decode layer's figure), and graph rows are their
-  own cases, never compared with window or iteration rows. Warm-up iterations are not timed.
+- time(us): the row's timing column says how it was timed (rows without one: iteration). iteration = a barrier
+  before each timed iteration; an iteration's time is its maximum across ranks; min, p50, p99 and mean are
+  taken over the timed iterations. window (as nccl-tests) = the timed iterations run back to back in one
+  window, no barrier between them; a rank's time = window / iterations, the row's time = the maximum across
+  ranks (nccl-tests' default, -a 1, averages across ranks instead). With --blocking 0 (the default, nccl-tests
+  -z 0) the host issues a window's calls without waiting for each and waits once at its end (gloo runs up to
+  two calls at once on its worker threads; NCCL runs them in order on its stream); with --blocking 1 it waits
+  for each call before the next. Combine and node-mode stages wait inside each call. graph (--cuda-graph N, as
+  nccl-tests -G) = N calls captured into one CUDA graph, the graph replayed --iters times back to back in one
+  window: a rank's time = window / (iters x N), the row's time = the maximum across ranks; no host launch per
+  call, so it is the device time of the call (a decode layer's figure), and graph rows are their own cases,
+  never compared with window or iteration rows. Warm-up iterations are not timed.
 - Which time a figure uses: the balanced all-to-all (the nccl-tests table on stdout, its summary.md and
   report.html table) and results.json's nccl-tests fields (time, alg_bw, bus_bw, out_of_place) use
   nccl-tests' time, the mean (time_us_mean; algbw_mean_GBps, busbw_mean_GBps, pct_spec_mean); MoE tables

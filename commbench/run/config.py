@@ -5,7 +5,8 @@ take it (``option``); ``commbench.cli.options`` generates the click options from
 shared by ``run`` and ``suite`` is one declaration. ``RunConfig.from_options`` builds the tree from a
 command's parameters and checks it once (``check``: every rule that spans fields, e.g. ``--check every``
 needs iteration timing); from then on the tree is handed down as it is: meta.json's ``config`` is
-``config_to_meta(config)`` (the field names are its keys), and ``--resume`` compares two trees by equality.
+``config_meta.config_to_meta(config)`` (the field names are its keys), and ``--resume`` compares two trees
+by equality.
 
 ``RunOptions`` is the section the harness (``commbench.run.harness``) reads; the launch fills in its
 resolved backend and knob setting. Leaf field names are unique across the tree (the click parameter names).
@@ -15,7 +16,6 @@ This module imports neither torch, numpy nor click: ``commbench --help`` reads i
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +128,18 @@ class RunOptions:
         "window-last). Written in every result row (check) and meta.json.",
         kind="choice",
         choices=CHECK_MODES,
+    )
+    blocking: int = option(
+        0,
+        "As nccl-tests -z: 0 = a timed window's calls are issued without the host waiting for each one "
+        "(torch.distributed async calls, waited for once at the window's end; NCCL queues them on its "
+        "stream as it does anyway, gloo runs up to two at once on its worker threads, as PARAM's default "
+        "--blocking 0 does); 1 = the host waits for each call to finish before issuing the next. Window "
+        "timing only: iteration and graph timing wait for every call or replay. Combine and --send-mode "
+        "node's stages use what they received, so they wait inside each call either way.",
+        kind="int",
+        low=0,
+        high=1,
     )
     inject_delay: tuple[InjectedDelay, ...] = option(
         (),
@@ -460,61 +472,3 @@ class RunConfig:
 # Options that may differ between an interrupted run and the one resuming it: they do not change which cases
 # run or what a case measures.
 RESUME_FREE = frozenset({"timeout_s", "limits", "limit", "baseline", "inject_delay", "resume", "out"})
-
-
-def config_to_meta(config: RunConfig) -> dict[str, Any]:
-    """meta.json's ``config``: the tree as plain JSON values, its field names as keys."""
-    return _plain(dataclasses.asdict(config))
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(key): _plain(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(item) for item in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def config_leaves(meta: dict[str, Any]) -> dict[str, Any]:
-    """The options a report folder was run with, by field name: meta.json's ``config`` (this version), or
-    its ``args`` (earlier versions, their keys mapped to today's field names); {} when it has neither."""
-    config = meta.get("config")
-    if isinstance(config, dict):
-        return {
-            key: value
-            for section in config.values()
-            if isinstance(section, dict)
-            for key, value in section.items()
-        }
-    args = meta.get("args")
-    if not isinstance(args, dict):
-        return {}
-    renamed = {"spec_text": "spec", "tokens_per_rank": "tokens", "limit_overrides": "limit", "soak": "soak_s"}
-    return {renamed.get(str(key), str(key)): value for key, value in args.items()}
-
-
-def command_options(meta: dict[str, Any]) -> dict[str, Any]:
-    """The options of the command a report folder was run with, by field name: only those that command
-    takes (a suite's folder does not list run's --pattern or --tokens default); every saved argument of a
-    folder of an earlier version."""
-    leaves = config_leaves(meta)
-    command = meta.get("subcommand")
-    if not isinstance(meta.get("config"), dict) or not isinstance(command, str):
-        return leaves
-    taken = {
-        item.name
-        for section in dataclasses.fields(RunConfig)
-        if section.name != "command"
-        for item in dataclasses.fields(section.default_factory())  # type: ignore[misc]
-        if (spec := option_spec(item)) is not None and command in spec.commands
-    }
-    return {key: value for key, value in leaves.items() if key in taken}
-
-
-def meta_values(meta: dict[str, Any]) -> dict[str, Any]:
-    """What a report folder was run with, by name: its options (``config_leaves``) and what the command
-    made of them (meta.json's ``plan``: sizes, repeats, the resolved backend, a trace's source)."""
-    plan = meta.get("plan")
-    return {**config_leaves(meta), **(plan if isinstance(plan, dict) else {})}

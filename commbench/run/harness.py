@@ -7,6 +7,9 @@ Per phase (dispatch, combine, or the balanced "alltoall") every rank runs ``warm
   barrier -> [start timer] -> ``iters`` back-to-back calls -> [stop timer] -> synchronize (-> barrier when
   checked); each rank's seconds per iteration = window / iters, one sample per rank. The calls overwrite the
   same receive buffers (as in nccl-tests): only the final output is verified, in full ("window-last").
+  ``--blocking 0`` (nccl-tests' -z 0, the default): the host issues the calls without waiting for each one
+  (``Backend.blocking`` False for the window; the stop's synchronize waits for them); ``--blocking 1``: it
+  synchronizes after each call.
 * "iteration" (the MoE phases' default): per iteration poison receive buffers -> synchronize -> barrier ->
   [start timer] -> phase call -> [stop timer] -> synchronize -> barrier -> check this iteration's output;
   one sample per iteration.
@@ -258,7 +261,7 @@ def bench(
             if job.timing == GRAPH_TIMING:  # captured calls, replayed (run.graphs)
                 seconds, output = graphs.timed_graph(comm, backend, phase.call, job, checking)
             elif job.timing == "window":
-                seconds, output = _timed_window(comm, backend, calls, job.iters, checking)
+                seconds, output = _timed_window(comm, backend, calls, job.iters, checking, opts.blocking)
             else:
                 seconds, output = _timed_iterations(comm, backend, calls, job.iters, mode, wrong)
     if checking:
@@ -317,10 +320,12 @@ def _timed_iterations(
 
 
 def _timed_window(
-    comm: Any, backend: Backend | StagePair, calls: TimedCalls, iters: int, checking: bool
+    comm: Any, backend: Backend | StagePair, calls: TimedCalls, iters: int, checking: bool, blocking: int
 ) -> tuple[list[float], Any]:
     """One timer around ``iters`` back-to-back calls (nccl-tests' timed loop): ([window / iters], the last
-    output). An emulated backend's modelled times are summed over the window's calls."""
+    output). ``blocking`` 1: the host waits for each call (nccl-tests -z 1); 0: the calls are issued without
+    waiting and the timer's stop waits for them all. An emulated backend's modelled times are summed over
+    the window's calls."""
     if checking:  # the calls overwrite one output: poisoned first, the last call must deliver all of it
         backend.poison_receive_buffers()
         backend.synchronize()
@@ -328,15 +333,21 @@ def _timed_window(
     timer = comm.timer()
     modelled: list[float | None] = []
     output = None
-    timer.start()
-    for _ in range(iters):
-        calls.mark()
-        output = calls()
-        calls.left()
-        if backend.emulated:  # a class attribute: real backends read no modelled time inside the window
-            modelled.append(backend.modelled_seconds())
-        comm.heartbeat()  # a long window outlasts the hang bound (2 x timeout + 5 s): one ~0.1 us store
-    timer.stop(backend.synchronize)
+    backend.blocking = bool(blocking)
+    try:
+        timer.start()
+        for _ in range(iters):
+            calls.mark()
+            output = calls()
+            if blocking:
+                backend.synchronize()
+            calls.left()
+            if backend.emulated:  # a class attribute: real backends read no modelled time inside the window
+                modelled.append(backend.modelled_seconds())
+            comm.heartbeat()  # a long window outlasts the hang bound (2 x timeout + 5 s): one ~0.1 us store
+        timer.stop(backend.synchronize)
+    finally:
+        backend.blocking = True  # warm-ups and iteration timing wait for every call
     if checking:  # as in iteration timing: no rank's check takes a core from a peer still in its window
         comm.barrier()
     known = [m for m in modelled if m is not None]

@@ -92,6 +92,11 @@ class Backend(abc.ABC):
     # The profiler's recorder (run.steps): a backend marks the parts of its calls with
     # ``with self.steps("pack"):``; the harness sets a StepRecorder under --profile, else it costs nothing.
     steps: Any = NO_STEPS
+    # False inside a window timed with --blocking 0 (nccl-tests -z 0; the harness sets it): a dispatch may
+    # return once its exchange is issued, ``synchronize`` waiting for what is still in flight
+    # (torch.distributed's async_op). A backend whose calls are device-asynchronous anyway (NCCL on a
+    # stream, NVSHMEM) or that cannot return early may ignore it; combine always reduces what arrived.
+    blocking: bool = True
 
     def __init__(self, comm: Any, options: dict[str, Any] | None = None) -> None:
         self.comm = comm  # commbench.run.dist.Comm
@@ -180,7 +185,8 @@ class Backend(abc.ABC):
             )
 
     def synchronize(self) -> None:
-        """Wait for outstanding device work (the harness calls it before reading a host clock)."""
+        """Wait for outstanding device work and calls still in flight (``blocking`` False); the harness
+        calls it before reading a host clock."""
         if torch.cuda.is_available() and self.comm.device.type == "cuda":
             torch.cuda.synchronize(self.comm.device)
 

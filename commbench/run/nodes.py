@@ -148,6 +148,16 @@ class StagePair:
             enabled = getattr(recorder, "enabled", False)
             backend.steps = _StageSteps(recorder, stage, backend.comm.ranks) if enabled else NO_STEPS
 
+    @property
+    def blocking(self) -> bool:
+        """Always True: the NVLink stage forwards what the scale-out stage received, so each stage's calls
+        finish inside the phase's call (``--blocking 0`` cannot issue ahead here)."""
+        return True
+
+    @blocking.setter
+    def blocking(self, value: bool) -> None:
+        pass
+
     def poison_receive_buffers(self) -> None:
         for backend in self.stages.values():
             backend.poison_receive_buffers()

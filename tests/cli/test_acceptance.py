@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from commbench.cli import cli
 from commbench.report.judge.verdict import read_verdict_json
-from commbench.run.config import meta_values
+from commbench.run.config_meta import meta_values
 from tests.launches import (
     BALANCED,
     SLOW_RANK,

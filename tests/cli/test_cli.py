@@ -15,7 +15,7 @@ from commbench.cli import cli
 from commbench.cli.inputs import balanced_sizes
 from commbench.cli.launch import default_out_dir
 from commbench.errors import UsageError
-from commbench.run.config import meta_values
+from commbench.run.config_meta import meta_values
 from tests.launches import (
     BALANCED_SIZES,
     SMALL_MODEL,

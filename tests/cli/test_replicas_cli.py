@@ -21,7 +21,8 @@ from commbench.cli.resume import remaining_jobs
 from commbench.report.analysis.replicas import replicas_table
 from commbench.report.judge.verdict import read_verdict_json
 from commbench.run.case import model_digest
-from commbench.run.config import MoeConfig, RunConfig, meta_values
+from commbench.run.config import MoeConfig, RunConfig
+from commbench.run.config_meta import meta_values
 from tests.launches import not_failed_by_data_or_completion
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from commbench.cli import cli
 from commbench.inputs.kineto import read_kineto
 from commbench.report.judge.verdict import read_verdict_json
-from commbench.run.config import meta_values
+from commbench.run.config_meta import meta_values
 from tests.launches import not_failed_by_data_or_completion
 
 DATA = Path(__file__).resolve().parents[1] / "data"

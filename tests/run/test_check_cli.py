@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from commbench.cli.main import cli
 from commbench.cli.run import run, suite
-from commbench.run.config import CHECK_MODES, meta_values
+from commbench.run.config import CHECK_MODES
+from commbench.run.config_meta import meta_values
 from commbench.run.dist import free_port
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,14 +10,8 @@ import pytest
 from commbench.cli.main import cli
 from commbench.cli.options import config_fields
 from commbench.errors import UsageError
-from commbench.run.config import (
-    RESUME_FREE,
-    InjectedDelay,
-    RunConfig,
-    config_leaves,
-    config_to_meta,
-    meta_values,
-)
+from commbench.run.config import RESUME_FREE, InjectedDelay, RunConfig
+from commbench.run.config_meta import config_leaves, config_to_meta, meta_values
 from commbench.run.declare import option_spec
 
 COMMANDS = ("run", "profile", "suite")
@@ -108,7 +102,7 @@ def test_resume_compares_every_option_but_those_that_do_not_change_a_case():
 
 
 def test_a_folder_lists_only_the_options_its_command_takes():
-    from commbench.run.config import command_options
+    from commbench.run.config_meta import command_options
 
     config = RunConfig.from_options("suite", {"world_size": 4, "quick": True})
     options = command_options({"subcommand": "suite", "config": config_to_meta(config)})

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from commbench.backends.mock import MockBackend
 from commbench.backends.torchdist import TorchDistBackend
@@ -22,6 +23,8 @@ from commbench.run.harness import bench, run_jobs
 from commbench.run.jobs import BalancedJob
 from commbench.run.phases import Phase
 from commbench.run.threads import run_threads
+from commbench.traffic.payload import RowCheck, encode_rows, expected_rows
+from commbench.traffic.plan import plan_balanced
 from tests.run.faults import gloo_fault
 
 ELAPSED_MS = 6.0  # what every fake CUDA timer says its region took
@@ -58,6 +61,7 @@ class LoggingBackend:
 
     moves_data = True
     emulated = False
+    blocking = True
 
     def __init__(self, log: list[str]) -> None:
         self.log = log
@@ -137,6 +141,26 @@ def test_bench_orders_events_as_nccl_tests(fake_cuda):
     assert measured.seconds.shape == (1, 1) and measured.seconds[0, 0] == pytest.approx(ELAPSED_MS / 3e3)
 
 
+def test_a_window_waits_for_each_call_only_with_blocking_1(fake_cuda):
+    """nccl-tests -z: --blocking 0 (default) issues the window's calls with the backend's ``blocking`` off
+    and waits once at its end; --blocking 1 waits after every call. Warm-ups wait either way, and the
+    backend is blocking again after the window."""
+    comm, backend, phase = logging_setup(fake_cuda, lambda: CudaTimer(torch.device("cuda", 0)))
+    called = lambda: fake_cuda.append(f"call blocking={backend.blocking}") or torch.zeros(1)  # noqa: E731
+    phase = replace(phase, call=called)
+    job = BalancedJob("balanced", [64], warmup=1, iters=2, timing="window")
+    warmup = ["barrier", "call blocking=True", "synchronize"]
+    start = [*warmup, "poison", "synchronize", "barrier", "begin event on stream"]
+    end = ["end event on stream", "synchronize", "barrier", "full check"]
+    bench(comm, backend, job, phase, RunOptions("nccl"))
+    assert fake_cuda == [*start, "call blocking=False", "call blocking=False", *end]
+    assert backend.blocking is True
+    fake_cuda.clear()
+    bench(comm, backend, job, phase, RunOptions("nccl", blocking=1))
+    each = ["call blocking=True", "synchronize"]
+    assert fake_cuda == [*start, *each, *each, *end]
+
+
 @pytest.mark.parametrize("timing", ["window", "iteration"])
 def test_the_garbage_collector_is_off_in_timed_calls_only(timing):
     """No GC pass inside a timed loop (as timeit), on again afterwards; the warm-up runs with it on."""
@@ -182,6 +206,7 @@ def window_entry(comm) -> dict:
     job = BalancedJob("balanced", [64, 4096], warmup=1, iters=4)  # window timing by default
     for name, opts, fault in (
         ("clean", RunOptions("gloo"), contextlib.nullcontext()),
+        ("clean blocking 1", RunOptions("gloo", blocking=1), contextlib.nullcontext()),
         ("corrupt", RunOptions("gloo", corrupt="dispatch"), contextlib.nullcontext()),
         ("stale", RunOptions("gloo"), gloo_fault("stale", 0, torch.uint8)),
     ):
@@ -195,14 +220,49 @@ def window_entry(comm) -> dict:
     return results
 
 
+def issued_entry(comm) -> list[str]:
+    """gloo, 2 ranks: rank 0's dispatch with ``blocking`` off must return before rank 1 has even entered
+    its call (rank 1 waits for rank 0's word in the store, so a call that waited for its peer would hang
+    until the timeout), and its output is delivered only by ``synchronize``."""
+    plans = [plan_balanced(src, 2, 1024) for src in range(2)]
+    backend = TorchDistBackend(comm)
+    plan = plans[comm.rank].to(comm.device)
+    backend.setup(plan)
+    tokens = encode_rows(comm.rank, torch.arange(plan.num_tokens), plan.dispatch_row_bytes)
+    expected = expected_rows(plans, comm.rank, comm.device)
+    store = dist.distributed_c10d._get_default_store()
+    log = []
+    backend.poison_receive_buffers()
+    comm.barrier()
+    if comm.rank == 0:
+        backend.blocking = False
+        received = backend.dispatch(tokens, plan, plan.static_recv_counts)
+        log.append("issued")
+        store.set("issued", "1")
+    else:
+        store.wait(["issued"])
+        received = backend.dispatch(tokens, plan, plan.static_recv_counts)
+    backend.synchronize()
+    log.append(f"wrong={RowCheck(expected).full(received)}")
+    backend.blocking = True
+    received = backend.dispatch(tokens, plan, plan.static_recv_counts)  # blocking: complete on return
+    log.append(f"wrong={RowCheck(expected).full(received)}")
+    return log
+
+
+def test_a_call_issued_without_blocking_returns_before_its_peer_and_synchronize_delivers_it():
+    assert launch(2, issued_entry, (), process_group="gloo", timeout_s=60) == ["issued", "wrong=0", "wrong=0"]
+
+
 def test_gloo_window_verifies_the_last_output_and_catches_corruption_and_stale_buffers():
     results = launch(2, window_entry, (), process_group="gloo", timeout_s=60)
-    message, rows = results["clean"]
-    assert message is None
-    assert [(r["timing"], r["check"], r["wrong"], r["iters"]) for r in rows] == [
-        ("window", "window-last", 0, 4)
-    ] * 2
-    assert all(0 < r["time_us_min"] == r["time_us_p99"] for r in rows)
+    for name in ("clean", "clean blocking 1"):
+        message, rows = results[name]
+        assert message is None
+        assert [(r["timing"], r["check"], r["wrong"], r["iters"]) for r in rows] == [
+            ("window", "window-last", 0, 4)
+        ] * 2
+        assert all(0 < r["time_us_min"] == r["time_us_p99"] for r in rows)
     message, rows = results["corrupt"]  # one byte flipped on rank 0 after the window
     assert "alltoall 64 B #wrong=1 bytes in the last of 4 back-to-back timed iterations" in message
     assert [r["wrong"] for r in rows] == [1, 1]  # every size's rows are written, then the job fails

@@ -70,7 +70,7 @@ from commbench.report.interop.nccl_tests_json import (
 from commbench.report.judge.junit import write_junit
 from commbench.report.judge.verdict import Verdict, write_verdict_json
 from commbench.report.pages.sections import report_html, summary_markdown
-from commbench.run.config import meta_values
+from commbench.run.config_meta import meta_values
 
 # Judges a finished (or stopped) run: (results frame, rank frame, meta) -> its Verdict (cli.acceptance).
 Judge = Callable[[pd.DataFrame, pd.DataFrame, dict[str, Any]], Verdict]

@@ -36,7 +36,7 @@ from commbench.report.folder.reading import incomplete_reason, read_report
 from commbench.report.folder.writer import spec_from_meta
 from commbench.report.frame import emulated_rows, results_frame
 from commbench.run.case import IDENTITY, Case, cell, group_by_case
-from commbench.run.config import meta_values
+from commbench.run.config_meta import meta_values
 
 SCHEMA = "commbench.baseline/1"
 # A baseline holds a few numbers per case and repeat: 64 MiB is far beyond any real sweep.

@@ -40,7 +40,7 @@ from commbench.report.pages.tables import (
     format_bandwidth,
     timing_shown,
 )
-from commbench.run.config import meta_values
+from commbench.run.config_meta import meta_values
 
 PROGRAM = "commbench balanced alltoall"  # nccl-tests prints its program name ("alltoall_perf") here
 # The nccl-tests release whose output format the stdout table and results.json follow (src/util.cu read at
@@ -198,13 +198,14 @@ def sweep_config(frame: pd.DataFrame, meta: Mapping[str, Any]) -> dict[str, Any]
     writeDeviceReport): one process per rank with one GPU (nthreads 1, ngpus 1), no aggregation, no CUDA
     graph, no parallel init; the sizes, step factor and iterations from meta.json's arguments, else the rows
     (None where neither says), integers where whole; validation 1 when a row was verified;
-    blocking_collectives "true" for iteration timing (a barrier and a wait around every timed call, as
-    nccl-tests -m 1); per_iter_timing "false" (no per-iteration lists are written); ``devices`` from the rank
-    places (``rank_records``); then commbench's own timing and check modes."""
+    blocking_collectives "true" where the host waited for every timed call (-z 1: iteration timing; a window
+    with --blocking 1); per_iter_timing "false" (no per-iteration lists are written); ``devices`` from the
+    rank places (``rank_records``); then commbench's own timing and check modes."""
     args = meta_values(dict(meta))  # the options and plan (meta.json of earlier versions: its args)
     sizes = sorted({int(size) for size in frame["size_bytes"]}) if "size_bytes" in frame else []
     checks = [str(c) for c in dict.fromkeys(frame["check"]) if not is_missing(c)] if "check" in frame else []
     timings = timing_modes(frame)
+    waited = {"iteration", "window"} if args.get("blocking") == 1 else {"iteration"}  # each call (-z 1)
     return {
         "nthreads": 1,
         "ngpus": 1,
@@ -216,7 +217,7 @@ def sweep_config(frame: pd.DataFrame, meta: Mapping[str, Any]) -> dict[str, Any]
         "aggregated_iterations": 1,
         "validation": int("wrong" in frame.columns and bool(frame["wrong"].notna().any())),
         "graph": _whole(args.get("iters", _row_value(frame, "iters"))) if args.get("cuda_graph") else 0,  # -G
-        "blocking_collectives": json_bool(timings == ["iteration"]),
+        "blocking_collectives": json_bool(bool(timings) and set(timings) <= waited),
         "per_iter_timing": json_bool(False),
         "per_iter_skip": 0,
         "parallel_init": json_bool(False),
@@ -325,12 +326,12 @@ def total_wrong_text(frame: pd.DataFrame) -> str:
     return f"{total}{note}{'  (DATA MISMATCH)' if total else ''}"
 
 
-def _mode_lines(frame: pd.DataFrame, times: Mapping[str, str]) -> list[str]:
-    """ "# timing: ..." (with the time it gives) and "# check: ..." lines for the rows' modes."""
+def _mode_lines(frame: pd.DataFrame, times: Mapping[str, str], blocking: int | None = None) -> list[str]:
+    """ "# timing: ..." (with the time it gives; a window's with the run's --blocking) and "# check: ..."."""
     lines = []
     for mode in timing_modes(frame):
-        how = f" ({timing_how(frame, mode)})" if timing_how(frame, mode) else ""
-        lines += [f"# timing: {mode}{how}", f"# time = {times.get(mode, '?')}"]
+        how = timing_how(frame, mode, blocking)
+        lines += [f"# timing: {mode}{f' ({how})' if how else ''}", f"# time = {times.get(mode, '?')}"]
     checked = check_text(frame)
     if checked:
         lines.append(f"# check: {checked}")
@@ -433,7 +434,7 @@ def nccl_tests_table(frame: pd.DataFrame, meta: Mapping[str, Any]) -> str:
     config = sweep_config(frame, meta)
     lines = [_first_line(meta), f"# Collective test starting: {PROGRAM}", parameter_line(config)]
     lines.append(_run_line(frame, meta))
-    lines += _mode_lines(frame, _BALANCED_TIME)
+    lines += _mode_lines(frame, _BALANCED_TIME, meta_values(dict(meta)).get("blocking"))
     lines += [
         "# size = bytes each rank sends; count = uint8 elements (bytes) to each peer; algbw = size / time;",
         "# busbw = algbw x (n-1)/n; GB = 1e9 B",

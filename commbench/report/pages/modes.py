@@ -31,6 +31,12 @@ TIMING_TIME = {
     "graph": "the max across ranks of window / (replays x calls per graph)",
 }
 TIMING_TEXT = {mode: f"{mode} ({TIMING_HOW[mode]}; time = {TIMING_TIME[mode]})" for mode in TIMING_HOW}
+# How the host waited for a window's calls (RunOptions.blocking, in meta.json; folders written before the
+# option say neither).
+WINDOW_WAITS = {
+    0: "the host waits for them once, at the window's end (--blocking 0, nccl-tests -z 0)",
+    1: "the host waits for each one before issuing the next (--blocking 1, nccl-tests -z 1)",
+}
 
 # What each value of the rows' ``check`` column means (RunOptions.check; "n/a": nothing moved).
 CHECK_TEXT = {
@@ -68,23 +74,24 @@ def graph_label(calls: Sequence[int]) -> str:
     return f"CUDA graph of {' or '.join(map(str, calls)) or 'N'} calls"
 
 
-def timing_how(frame: pd.DataFrame, mode: str) -> str:
+def timing_how(frame: pd.DataFrame, mode: str, blocking: int | None = None) -> str:
     """How ``mode`` times, in words ("" for a mode it does not know); a graph says how many calls the rows'
-    graphs held."""
+    graphs held, a window how the host waited for its calls (``blocking``: the run's --blocking)."""
     how = TIMING_HOW.get(mode, "")
-    return f"{graph_label(graph_calls(frame))}: {how}" if mode == "graph" else how
+    if mode == "graph":
+        return f"{graph_label(graph_calls(frame))}: {how}"
+    if mode == "window" and blocking in WINDOW_WAITS:
+        return f"{how}; {WINDOW_WAITS[blocking]}"
+    return how
 
 
-def timing_text(frame: pd.DataFrame) -> str | None:
-    """How the rows were timed, in words ("; " between modes); None without rows. Graph rows say how many
-    calls their graph held."""
+def timing_text(frame: pd.DataFrame, blocking: int | None = None) -> str | None:
+    """How the rows were timed, in words ("; " between modes, each with the time it gives); None without
+    rows. ``blocking``: the run's --blocking (``timing_how``)."""
     texts = []
     for mode in timing_modes(frame):
-        text = TIMING_TEXT.get(mode, mode)
-        if mode == "graph":
-            label = graph_label(graph_calls(frame))
-            text = f"graph ({label}: {TIMING_HOW[mode]}; time = {TIMING_TIME[mode]})"
-        texts.append(text)
+        how = timing_how(frame, mode, blocking)
+        texts.append(f"{mode} ({how}; time = {TIMING_TIME[mode]})" if how else mode)
     return "; ".join(texts) or None
 
 

@@ -53,7 +53,7 @@ from commbench.report.pages.tables import (
     time_note,
 )
 from commbench.report.pages.verdict_view import verdict_section
-from commbench.run.config import command_options, meta_values
+from commbench.run.config_meta import command_options, meta_values
 
 PAGE_TITLE = "commbench report"
 EMULATED_NOTE = (
@@ -209,7 +209,7 @@ def _results(frame: pd.DataFrame, spec: SystemSpec) -> Section:
 def _convention_lines(frame: pd.DataFrame, meta: dict[str, Any]) -> list[tuple[str, str]]:
     """How this run was timed and checked, and its topology, as (label, text)."""
     lines = [
-        ("Timing", timing_text(frame)),
+        ("Timing", timing_text(frame, meta_values(meta).get("blocking"))),
         ("Check", check_text(frame)),
         ("Topology", topology_text(frame, meta)),
     ]

@@ -7,6 +7,7 @@ import pandas as pd
 from commbench.report.pages.modes import (
     CHECK_TEXT,
     TIMING_TEXT,
+    WINDOW_WAITS,
     check_text,
     mixes_timing,
     timing_modes,
@@ -28,6 +29,17 @@ def test_mixed_timing_is_named_row_by_row() -> None:
     assert with_timing(frame)["timing"].tolist() == ["window", "iteration", "window"]
     assert timing_text(frame) == f"{TIMING_TEXT['window']}; {TIMING_TEXT['iteration']}"
     assert "back to back in one window" in TIMING_TEXT["window"]
+
+
+def test_a_window_says_how_the_host_waited_for_its_calls() -> None:
+    frame = pd.DataFrame({"timing": ["window", "iteration"]})
+    for blocking in (0, 1):
+        text = timing_text(frame, blocking)
+        assert f"--blocking {blocking}, nccl-tests -z {blocking}" in text
+        assert text.count(WINDOW_WAITS[blocking]) == 1  # the window's, not the iteration's
+        assert text.endswith(TIMING_TEXT["iteration"])
+    assert WINDOW_WAITS[0] != WINDOW_WAITS[1]
+    assert timing_text(frame) == f"{TIMING_TEXT['window']}; {TIMING_TEXT['iteration']}"  # not recorded
 
 
 def test_check_text_names_window_last() -> None:
