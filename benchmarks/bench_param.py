@@ -268,18 +268,14 @@ def _ratio_cell(ratios: list[float]) -> str:
     return f"{_median(ratios):.3f}{interval}"
 
 
+def size_label(size: int) -> str:
+    """1 MiB, 4 KiB, 8 B: a size as the tables show it."""
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB" if size >= 1 << 10 else f"{size} B"
+
+
 def table(sizes: list[int], tools: tuple[str, ...], runs: list[dict], loads: list[list[float]]) -> str:
     """The Markdown result: per size each tool's median and the first tool's (a commbench) ratio to every
     other tool, the sweeps' walls, the load per round."""
-
-    def label(size: int) -> str:
-        return (
-            f"{size >> 20} MiB"
-            if size >= 1 << 20
-            else f"{size >> 10} KiB"
-            if size >= 1 << 10
-            else f"{size} B"
-        )
 
     first, peers = tools[0], list(tools[1:])
     lines = [
@@ -296,7 +292,7 @@ def table(sizes: list[int], tools: tuple[str, ...], runs: list[dict], loads: lis
         for peer in peers:
             ratios = [c / p for c, p in zip(per[first], per[peer], strict=True) if c and p]
             cells.append(_ratio_cell(ratios))
-        lines.append(f"| {label(size)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {size_label(size)} | " + " | ".join(cells) + " |")
     walls = {tool: _median([run[tool][1] for run in runs]) for tool in tools}
     reference = "PARAM" if "PARAM" in tools else peers[0] if peers else first
     lines += [
