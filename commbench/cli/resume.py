@@ -46,6 +46,11 @@ def check_same_run(folder: str, saved: dict[str, Any], config: RunConfig, free: 
         )
     old, new = config_leaves(saved), config_leaves({"config": config_to_meta(config)})
     for key in sorted(set(old) | set(new)):
+        if key not in free and key not in old:  # an option added since: the runs' cases may differ
+            raise UsageError(
+                f"--resume {folder}: the interrupted run was written before the option {key!r} existed; run "
+                "it again with --out"
+            )
         if key not in free and old.get(key) != new.get(key):
             raise UsageError(
                 f"--resume {folder}: the interrupted run had {key}={old.get(key)!r}, this command gives "

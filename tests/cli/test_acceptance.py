@@ -204,6 +204,21 @@ def test_resume_with_other_options_is_refused(balanced_run: Launch, tmp_path: Pa
     assert (out / "results.csv").read_bytes() == before
 
 
+def test_resume_of_a_folder_written_before_an_option_existed_is_refused(
+    balanced_run: Launch, tmp_path: Path
+) -> None:
+    out = copy_of(balanced_run, tmp_path / "run")
+    _interrupt_after(out, 1)
+    meta = json.loads((out / "meta.json").read_text())
+    del meta["config"]["harness"]["blocking"]  # as a folder of the version before --blocking
+    (out / "meta.json").write_text(json.dumps(meta))
+    before = (out / "results.csv").read_bytes()
+    result = invoke([*BALANCED, "--resume", out])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "written before the option 'blocking' existed; run it again with --out" in result.stderr
+    assert (out / "results.csv").read_bytes() == before
+
+
 def test_a_flagged_case_is_rerun_by_its_case_and_repeat() -> None:
     """The reruns are found by ``Case.repeat_key``: only the flagged size of the flagged repeat, its job cut
     to that size; a knob setting or a repeat is part of the case."""
