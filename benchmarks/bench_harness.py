@@ -11,9 +11,10 @@ round in a rotated order, four tools over the same sizes with the same warm-up a
   window, ``--blocking 0``, its verification and in-place run); its time is the row's ``time_us_mean``, the
   slowest rank's window / iterations.
 * **commbench-b1**: the same with ``--blocking 1`` (the host waits for each call).
-* **bare-async**: per size a float32 input and output, ``--warmup`` calls, a barrier, then ``--iters``
-  ``dist.all_to_all_single(..., async_op=True)`` calls and one wait for all of them between two
-  ``time.perf_counter`` reads (what ``--blocking 0`` issues, and PARAM's default); the max over ranks.
+* **bare-async**: per size a float32 input and output, ``--warmup`` calls, a barrier, then bench_param's
+  ``bare_window``: ``--iters`` ``dist.all_to_all_single(..., async_op=True)`` calls and one wait for all of
+  them between two ``time.perf_counter`` reads (what ``--blocking 0`` issues, and PARAM's default); the max
+  over ranks.
 * **bare**: the same with blocking calls (what ``--blocking 1`` waits for).
 
 The bare loops run inside ``comm.quiet()`` and with the garbage collector paused, as the harness's timed
@@ -29,12 +30,11 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_param import median_interval, parse_size, size_label, sweep_sizes  # noqa: E402 - this folder's sibling
+from bench_param import bare_window, median_interval, parse_size, size_label, sweep_sizes  # noqa: E402 - this folder's sibling
 
 TOOLS = ("commbench", "commbench-b1", "bare-async", "bare")
 PAIRS = (("commbench", "bare-async"), ("commbench-b1", "bare"))  # each harness tool and its bare loop
@@ -54,16 +54,7 @@ def _bare_window(comm: Any, size: int, warmup: int, iters: int, issue_async: boo
         dist.all_to_all_single(received, send, group=comm.group)
     comm.barrier()
     with comm.quiet(), collector_paused():
-        start = time.perf_counter()
-        if issue_async:
-            group = comm.group
-            works = [dist.all_to_all_single(received, send, group=group, async_op=True) for _ in range(iters)]
-            for work in works:
-                work.wait()
-        else:
-            for _ in range(iters):
-                dist.all_to_all_single(received, send, group=comm.group)
-        return (time.perf_counter() - start) / iters
+        return bare_window(received, send, iters, issue_async, comm.group)
 
 
 def entry(comm: Any, sizes: list[int], warmup: int, iters: int, rounds: int) -> dict[str, Any]:

@@ -69,6 +69,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 TOOLS = (
     "commbench",
@@ -193,6 +194,23 @@ def bare_times(records: dict[int, dict], tool: str) -> dict[int, float]:
     return {size: float(record[key]) for size, record in records.items()}
 
 
+def bare_window(received: Any, send: Any, iters: int, issue_async: bool, group: Any = None) -> float:
+    """One window of ``iters`` back-to-back ``all_to_all_single(received, send)`` calls between two clock
+    reads, this rank's seconds per call; ``issue_async``: every call ``async_op=True``, then one wait for all
+    of them (PARAM's ``--blocking 0``, nccl-tests' ``-z 0``), else blocking calls."""
+    import torch.distributed as dist
+
+    start = time.perf_counter()
+    if issue_async:
+        works = [dist.all_to_all_single(received, send, group=group, async_op=True) for _ in range(iters)]
+        for work in works:
+            work.wait()
+    else:
+        for _ in range(iters):
+            dist.all_to_all_single(received, send, group=group)
+    return (time.perf_counter() - start) / iters
+
+
 def bare_rank(sizes: list[int], iters: int, warmup: int, mode: str = "window") -> None:
     """One rank of the bare loop (under torchrun): rank 0 prints one ``BARE {json}`` line per size.
     ``mode``: ``window`` (back-to-back calls between two clock reads), ``async`` (the timed calls issued with
@@ -219,15 +237,7 @@ def bare_rank(sizes: list[int], iters: int, warmup: int, mode: str = "window") -
                 dist.all_to_all_single(received, send)
                 calls.append(time.perf_counter() - start)
         else:
-            start = time.perf_counter()
-            if mode == "async":
-                works = [dist.all_to_all_single(received, send, async_op=True) for _ in range(iters)]
-                for work in works:
-                    work.wait()
-            else:
-                for _ in range(iters):
-                    dist.all_to_all_single(received, send)
-            calls.append((time.perf_counter() - start) / iters)
+            calls.append(bare_window(received, send, iters, mode == "async"))
         every: list = [None] * world
         dist.all_gather_object(every, calls)
         if dist.get_rank() == 0:
