@@ -29,11 +29,11 @@ from commbench.hardware.probes import (
     _error_text,
     _nvml,
     _nvml_gpu_of,
-    _pci_tuple,
     _text,
     bus_id_text,
     cuda_device,
     nccl_version,
+    pci_tuple,
     read_fabric,
 )
 
@@ -172,7 +172,7 @@ def _find_gpu(nvml: Any, device_index: int) -> _Gpu | str:
     found = _nvml_gpu_of(device, gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if found is None:
         return f"GPU not found: CUDA device {device_index} is none of the {count} GPU(s) NVML sees"
-    pci = device.pci or _pci_tuple(found["pci_bus_id"])
+    pci = device.pci or pci_tuple(found["pci_bus_id"])
     uuid = "" if found["uuid"].startswith("?") else found["uuid"]
     bus_id = bus_id_text(pci) if pci is not None else ""
     return _Gpu(handles[found["index"]], found["index"], uuid, bus_id, count)

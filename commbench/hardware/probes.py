@@ -222,9 +222,12 @@ def _uuid_key(text: str) -> str:
     return key
 
 
-def _pci_tuple(text: Any) -> tuple[int, int, int] | None:
-    """(domain, bus, device) of a PCI bus id: NVML's "00000000:19:00.0", nccl-tests' "0000:19:00"."""
+def pci_tuple(text: Any) -> tuple[int, int, int] | None:
+    """(domain, bus, device) of a PCI bus id: NVML's "00000000:19:00.0", nccl-tests' "0000:19:00", or
+    "19:00" without a domain (domain 0); None for anything else."""
     parts = str(text).strip().split(".")[0].split(":")
+    if len(parts) == 2:
+        parts = ["0", *parts]
     if len(parts) != 3:
         return None
     try:
@@ -279,7 +282,7 @@ def _nvml_gpu_of(
         if found:
             return found[0]
     if device.pci is not None:
-        found = [g for g in gpus if _pci_tuple(_known(g.get("pci_bus_id"))) == device.pci]
+        found = [g for g in gpus if pci_tuple(_known(g.get("pci_bus_id"))) == device.pci]
         if found:
             return found[0]
     if device.uuid or device.pci is not None:
@@ -315,7 +318,7 @@ def local_place(device_index: int | None = None) -> RankPlace:
     device = cuda_device(device_index)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpu = _nvml_gpu_of(device, probe_gpus().get("gpus", []), visible) or {}
-    pci = device.pci or _pci_tuple(_known(gpu.get("pci_bus_id")))
+    pci = device.pci or pci_tuple(_known(gpu.get("pci_bus_id")))
     return RankPlace(
         host=host,
         gpu_uuid=_known(gpu.get("uuid")) or device.uuid,

@@ -21,6 +21,7 @@ from typing import Any
 
 import pandas as pd
 
+from commbench.hardware.probes import bus_id_text, pci_tuple
 from commbench.inputs.specs import NO_SPEC_NAME
 from commbench.plain import is_missing
 from commbench.report.frame import average_bus_bandwidth, balanced_rows
@@ -237,20 +238,14 @@ def parameter_line(config: Mapping[str, Any]) -> str:
     )
 
 
-def bus_id_text(bus_id: Any) -> str | None:
-    """A PCI bus id ("00000000:19:00.0" from NVML, "0000:19:00" ...) as nccl-tests prints it, domain:bus:
-    device in hex ("0000:19:00"); None for none."""
+def bus_id_cell(bus_id: Any) -> str | None:
+    """A recorded PCI bus id ("00000000:19:00.0" from NVML, "0000:19:00" ...) as nccl-tests prints it
+    (``hardware.probes.bus_id_text``); what is not a bus id as recorded; None for none."""
     text = "" if is_missing(bus_id) else str(bus_id).strip()
     if not text:
         return None
-    parts = text.split(".")[0].split(":")
-    if len(parts) == 2:  # bus:device without a domain
-        parts = ["0", *parts]
-    try:
-        domain, bus, device = (int(part, 16) for part in parts[-3:])
-    except ValueError:  # not a bus id: shown as recorded
-        return text
-    return f"{domain & 0xFFFF:04x}:{bus:02x}:{device:02x}"
+    pci = pci_tuple(text)
+    return bus_id_text(pci) if pci is not None else text
 
 
 def rank_records(meta: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -271,7 +266,7 @@ def rank_records(meta: Mapping[str, Any]) -> list[dict[str, Any]]:
                 "pid": pid if isinstance(pid, int) and pid > 0 else None,
                 "hostname": place.get("host") or None,
                 "device": device if isinstance(device, int) else None,
-                "device_hex": "cpu" if device == -1 else bus_id_text(place.get("bus_id")),
+                "device_hex": "cpu" if device == -1 else bus_id_cell(place.get("bus_id")),
                 "device_info": place.get("gpu_name") or ("CPU" if device == -1 else None),
             }
         )

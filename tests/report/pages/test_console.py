@@ -7,7 +7,7 @@ import pytest
 from commbench.inputs.specs import load_spec
 from commbench.report import ReportWriter, average_bus_bandwidth, results_frame, results_table
 from commbench.report.pages.console import (
-    bus_id_text,
+    bus_id_cell,
     moe_table,
     nccl_float,
     nccl_version_code,
@@ -151,10 +151,16 @@ def test_rank_lines_follow_nccl_tests_using_devices() -> None:
 
 @pytest.mark.parametrize(
     ("bus_id", "shown"),
-    [("00000000:19:00.0", "0000:19:00"), ("0001:C1:00.0", "0001:c1:00"), ("19:00", "0000:19:00"), ("", None)],
+    [
+        ("00000000:19:00.0", "0000:19:00"),
+        ("0001:C1:00.0", "0001:c1:00"),
+        ("19:00", "0000:19:00"),
+        ("not-a-bus-id", "not-a-bus-id"),
+        ("", None),
+    ],
 )
 def test_bus_id_as_nccl_tests_prints_it(bus_id: str, shown: str | None) -> None:
-    assert bus_id_text(bus_id) == shown
+    assert bus_id_cell(bus_id) == shown
 
 
 @pytest.mark.parametrize(
