@@ -258,7 +258,9 @@ def predict_case(
 # The per-SM byte rate is held at a bound read off the data (calibration.yaml): fitted beside the per-row
 # cost it runs off to its limit, the per-row cost explaining the SM sweeps alone.
 # The launch cost is not fitted either: only the CUDA-graph cases tell it from the fixed phase latency, and
-# one source of them would decide it; it keeps its sourced prior.
+# one source of them would decide it; it keeps its sourced prior. A normal kernel's fixed latency inside one
+# NVLink domain is held too (fitted, it ran to its lower bound: calibration.yaml); its scale-out part is
+# fitted.
 FIT_PARAMETERS = (
     "nvlink_efficiency",
     "scaleout_efficiency.infiniband",
@@ -266,7 +268,7 @@ FIT_PARAMETERS = (
     "message_cost_us.efa",
     "nccl.phase_latency_us",
     "nccl.nvlink_peer_latency_us",
-    "normal.kernel_latency_us",
+    "normal.scaleout_latency_us",
     "low-latency.kernel_latency_us",
     "row_cost_us",
     "torch_api_us",

@@ -123,6 +123,8 @@ def engine_defaults(
         "kernel_latency_s": (
             value(f"{kernel}.kernel_latency_us") * us * factors.latency if kernel != "nccl" else 0.0
         ),
+        # A phase over the NIC: the kernel's internode notify (only normal kernels state one).
+        "scaleout_kernel_latency_s": values.get(f"{kernel}.scaleout_latency_us", 0.0) * us * factors.latency,
         "combine_latency_factor": factors.combine_latency,
         "sms": int(value(f"{kernel}.sms")) if kernel != "nccl" else 0,
         "per_sm_GBps": value("per_sm_GBps") * factors.sm_speed,

@@ -72,6 +72,9 @@ class FabricParams:
     library: str = REFERENCE_LIBRARY  # whose kernels run a GPU-initiated engine (engines.LIBRARIES)
     transport: str = "infiniband"  # scale-out transport (commbench.inputs.specs.TRANSPORTS)
     kernel_latency_s: float = 0.0  # GPU-initiated engines' fixed latency per phase (nccl: phase_latency_s)
+    # ... and what a phase that crosses the scale-out adds to it (an internode kernel's notify: the counts
+    # exchanged over RDMA and a barrier across nodes before the first token moves)
+    scaleout_kernel_latency_s: float = 0.0
     combine_latency_factor: float = 1.0  # the library's combine kernel's fixed latency / its dispatch's
     sms: int = 0  # SMs a GPU-initiated kernel runs on; 0 = no per-SM bound
     per_sm_GBps: float = _NCCL["per_sm_GBps"]
@@ -120,15 +123,18 @@ class FabricParams:
 
     @property
     def fixed_latency_s(self) -> float:
-        """A dispatch's fixed time: the launch (none from a CUDA graph) + the engine's fixed latency."""
-        return self.phase_fixed_latency_s(combine=False)
+        """A dispatch's fixed time inside one NVLink domain: the launch (none from a CUDA graph) + the
+        engine's fixed latency."""
+        return self.phase_fixed_latency_s(combine=False, scaleout=False)
 
-    def phase_fixed_latency_s(self, combine: bool) -> float:
-        """The phase's fixed time; a GPU-initiated combine's kernel latency x ``combine_latency_factor``."""
+    def phase_fixed_latency_s(self, combine: bool, scaleout: bool) -> float:
+        """The phase's fixed time; a GPU-initiated combine's kernel latency x ``combine_latency_factor``;
+        ``scaleout``: the phase moves bytes over the NIC (a GPU-initiated kernel's internode notify)."""
         if self.kernel == "nccl":
             base = self.phase_latency_s
         else:
-            base = self.kernel_latency_s * (self.combine_latency_factor if combine else 1.0)
+            kernel = self.kernel_latency_s + (self.scaleout_kernel_latency_s if scaleout else 0.0)
+            base = kernel * (self.combine_latency_factor if combine else 1.0)
         return base + self.api_overhead_s + (0.0 if self.cuda_graph else self.launch_s)
 
     def validate(self) -> None:
@@ -162,6 +168,7 @@ class FabricParams:
             "nvlink_peer_latency_s",
             "scaleout_peer_latency_s",
             "kernel_latency_s",
+            "scaleout_kernel_latency_s",
             "message_cost_s",
             "launch_s",
             "row_cost_s",
@@ -458,7 +465,7 @@ def predict_loads(loads: LinkLoads, fabric: Fabric, combine: bool = False) -> Ph
     if slowest <= 0:
         neck, neck_bytes = ("latency", -1, ""), 0.0
     nvlink_bytes = float(loads.bytes[:, NVLINK, SEND].sum())
-    fixed = p.phase_fixed_latency_s(combine)
+    fixed = p.phase_fixed_latency_s(combine, scaleout=bool(loads.bytes[:, SCALEOUT, :].any()))
     return PhasePrediction(
         time_s=fixed + slowest if (slowest > 0 or fixed > 0) else 1e-9,
         bottleneck_rank=neck[1],

@@ -153,10 +153,31 @@ def test_gpu_initiated_engines_overlap_the_per_peer_latency():
     assert predict_phase(traffic, nccl).time_s == pytest.approx(
         p.fixed_latency_s + so_bytes + 8 * p.scaleout_peer_latency_s, rel=1e-12
     )
+    # ... and a normal kernel whose phase crosses the NIC pays its internode notify on top of its latency
+    assert q.scaleout_kernel_latency_s > 0
     assert predict_phase(traffic, normal).time_s == pytest.approx(
-        q.fixed_latency_s + so_bytes + q.scaleout_peer_latency_s, rel=1e-12
+        q.fixed_latency_s + q.scaleout_kernel_latency_s + so_bytes + q.scaleout_peer_latency_s, rel=1e-12
     )
     assert q.fixed_latency_s == q.kernel_latency_s + q.launch_s
+
+
+def test_the_internode_notify_is_paid_only_by_a_phase_that_crosses_the_scaleout():
+    # 16 ranks in two domains of 8: traffic inside each domain pays the kernel's fixed latency only; the same
+    # bytes with one row crossing to the other domain pay the scale-out notify too, once, whatever crosses.
+    normal = make_fabric("hgx-h100", 16, kernel="normal", sms=0, scaleout_kernel_latency_s=100e-6)
+    inside = np.zeros((16, 16))
+    inside[:8, :8] = inside[8:, 8:] = B
+    np.fill_diagonal(inside, 0.0)
+    crossing = inside.copy()
+    crossing[0, 8] = 1.0  # one byte over the NIC
+    p = normal.params
+    alone = predict_phase(inside, normal).time_s
+    assert alone == pytest.approx(
+        p.fixed_latency_s + 7 * B / (450e9 * p.nvlink_efficiency) + p.nvlink_peer_latency_s
+    )
+    assert predict_phase(crossing, normal).time_s == pytest.approx(alone + 100e-6, rel=1e-6)
+    nccl = make_fabric("hgx-h100", 16, scaleout_kernel_latency_s=100e-6)  # nccl has no such notify
+    assert predict_phase(crossing, nccl).time_s < predict_phase(inside, nccl).time_s + 50e-6
 
 
 def test_sm_bound_and_row_cost_of_a_normal_kernel():
