@@ -7,7 +7,8 @@ An engine is how a library moves a phase's bytes (docs/fabric-model.md, "Transfe
 - ``normal``: GPU-initiated throughput kernels (DeepEP normal, Hybrid-EP, UCCL-EP normal), which send each
   token once per destination node over the NIC and fan it out over NVLink there (``--send-mode node``). All
   peers are in flight at once, so the per-peer latency overlaps (one message latency, not one per peer);
-  the kernel runs on ``sms`` SMs, each moving at most ``per_sm_GBps``.
+  the kernel runs on ``sms`` SMs, each moving at most ``per_sm_GBps``. A phase that crosses the NIC also pays
+  the internode notify (``normal.scaleout_latency_us``: counts exchanged over RDMA, the nodes synchronized).
 - ``low-latency``: GPU-initiated per-selection messages (DeepEP low-latency, pplx, UCCL-EP low-latency):
   one message per (token, expert), issued in parallel, each from the GPU's own NIC (no PXN hop). Latency is
   a fixed kernel latency + the busiest link's bytes, nearly flat in EP size.
