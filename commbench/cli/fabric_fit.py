@@ -111,6 +111,7 @@ def _rack_phases(folders: Sequence[str]) -> tuple[list[Any], int, int, bool]:
     stage reads the folder here: commbench.fabric never imports it), the folders' domain and host sizes, and
     whether they were CPU runs."""
     import numpy as np
+    import pandas as pd
 
     from commbench.fabric.rackfit import MeasuredPhase, pair_phase
     from commbench.report.folder.reading import read_folder
@@ -144,13 +145,23 @@ def _rack_phases(folders: Sequence[str]) -> tuple[list[Any], int, int, bool]:
             for key in ("pattern", "phase", "skew", "tokens_per_rank", "send_mode", "repeat", "job_index")
             if key in results.columns and key in ranks.columns
         ]
-        sized = "size_bytes" in ranks.columns and ranks["size_bytes"].notna().any()
-        keys += ["size_bytes"] if sized else []
-        cells = ranks.assign(**{c: ranks[c].map(_cell) for c in keys}) if len(ranks) else ranks
-        by_key = {k: f for k, f in cells.groupby(keys, sort=False)} if len(ranks) else {}
+        # A sweep's ranks.csv rows state their size, a MoE run's do not ("" here); a suite's folder has both.
+        by_key: dict[tuple[str, ...], Any] = {}
+        if len(ranks):
+            sizes = (
+                ranks["size_bytes"] if "size_bytes" in ranks.columns else pd.Series(None, index=ranks.index)
+            )
+            cells = ranks.assign(**{c: ranks[c].map(_cell) for c in keys}, size_key=sizes.map(_cell))
+            by_key = dict(iter(cells.groupby([*keys, "size_key"], sort=False)))
+        num_domains = world // per_domain
         for row in results.itertuples(index=False):
+            node_mode = getattr(row, "send_mode", "") == "node"
+            stage = str(row.phase).partition(":")[2]
+            if node_mode and not stage:
+                continue  # a node-mode phase runs as two stages in sequence: its stage rows are fitted
             key = tuple(_cell(getattr(row, c)) for c in keys)
-            frame = by_key.get(key if len(keys) > 1 else key[0])
+            frame = by_key.get((*key, _cell(getattr(row, "size_bytes", None))))
+            frame = by_key.get((*key, "")) if frame is None else frame
             if frame is None or len(frame) != world or not np.isfinite(row.time_us_p50):
                 continue
             frame = frame.sort_values("rank")
@@ -160,8 +171,13 @@ def _rack_phases(folders: Sequence[str]) -> tuple[list[Any], int, int, bool]:
                 loads[:, c, 1] = frame[f"{name}_recv_bytes"].to_numpy(dtype=float)
             peers = np.zeros((world, 2, 2), dtype=np.int64)
             peers[:, 0, :] = np.where(loads[:, 0, :] > 0, per_domain - 1, 0)
-            peers[:, 1, :] = np.where(loads[:, 1, :] > 0, world - per_domain, 0)
-            label = f"{row.pattern} {row.phase} {int(row.size_bytes)} B"
+            # A node-mode scale-out stage pairs the ranks of one local index: a peer on every other node.
+            scaleout_peers = num_domains - 1 if node_mode else world - per_domain
+            peers[:, 1, :] = np.where(loads[:, 1, :] > 0, scaleout_peers, 0)
+            # A suite runs one model under several skews, and repeats its cases.
+            skew, repeat = _cell(getattr(row, "skew", "")), _cell(getattr(row, "repeat", ""))
+            words = (str(row.pattern), skew, str(row.phase), f"{int(row.size_bytes)} B")
+            label = " ".join(w for w in words if w) + (f" repeat {repeat}" if repeat not in ("", "0") else "")
             phases.append(MeasuredPhase(label, loads, peers, float(row.time_us_p50) * 1e-6))
         pairs = folder.extras.pairs
         if len(pairs):

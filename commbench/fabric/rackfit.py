@@ -50,6 +50,9 @@ NEEDS = {
     "scaleout_peer_latency_us": "phases with different scale-out peer counts, or pairs across domains",
 }
 START = np.array([10.0, 10.0, 20.0, 1.0, 1.0])  # starting point (GB/s, us): any positive value works
+# Where the search may go (log space): a parameter the data leaves free runs to a bound, not to overflow,
+# and the checks below then name it. 1e-6..1e9 GB/s and us hold any host or GPU fabric.
+BOUNDS = (np.full(len(RACK_PARAMETERS), np.log(1e-6)), np.full(len(RACK_PARAMETERS), np.log(1e9)))
 DEFAULT_RACKS = (1, 2, 4, 8, 16)
 DRAWS = 32  # parameter draws behind the error bars
 
@@ -152,14 +155,37 @@ def fit_rack(phases: Sequence[MeasuredPhase], ranks_per_domain: int, ranks_per_h
     if not phases:
         raise UsageError("--calibrate: the folder has no measured phase (no results.csv rows, no pairs.csv)")
     measured = np.array([p.time_s for p in phases])
+    # What no measurement can tell, read off the data before any fit: a resource nothing crossed, a
+    # phase latency without a collective phase.
+    present = {
+        "nvlink_GBps": any(p.bytes[:, 0].any() for p in phases),
+        "scaleout_GBps": any(p.bytes[:, 1].any() for p in phases),
+        "phase_latency_us": any(p.collective for p in phases),
+    }
+    for name, seen in present.items():
+        if not seen:
+            raise UsageError(
+                f"--calibrate: the folder's runs cannot constrain {name}: no measured time depends on it "
+                f"(it needs {NEEDS[name]})"
+            )
+    distinct = len({(p.bytes.tobytes(), p.peers.tobytes(), p.collective) for p in phases})
+    if distinct < len(RACK_PARAMETERS):
+        raise UsageError(
+            f"--calibrate: the folders hold {distinct} distinct measured phase(s), fewer than the "
+            f"{len(RACK_PARAMETERS)} parameters to fit ({', '.join(RACK_PARAMETERS)}); add a folder with the "
+            "balanced sweep and the pairwise test (commbench suite writes both; --ranks-per-domain below "
+            "the world size on one host)"
+        )
 
     def residual(log_x: np.ndarray) -> np.ndarray:
-        return np.log(predicted_times(phases, np.exp(log_x), ranks_per_domain, ranks_per_host) / measured)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            times = predicted_times(phases, np.exp(log_x), ranks_per_domain, ranks_per_host)
+        return np.log(times / measured)
 
     # The phase time is a max over links, so the cost has a local minimum for every link that could be the
     # one that limits: start from NVLink faster, equal, and slower than scale-out, and keep the best.
     starts = [np.log(START * np.array([ratio, 1.0, 1.0, 1.0, 1.0])) for ratio in (10.0, 1.0, 0.1)]
-    fits = [levenberg_marquardt(residual, x0, max_iterations=40) for x0 in starts]
+    fits = [levenberg_marquardt(residual, x0, max_iterations=40, bounds=BOUNDS) for x0 in starts]
     scale = min(fits, key=lambda f: float(f.residuals @ f.residuals))
     # Constrained at all? A parameter no time depends on, tried at a large step.
     jac = jacobian(residual, scale.log_x, step=0.5)
@@ -169,7 +195,7 @@ def fit_rack(phases: Sequence[MeasuredPhase], ranks_per_domain: int, ranks_per_h
             f"--calibrate: the folder's runs cannot constrain {name}: no measured time depends on it (it "
             f"needs {NEEDS[name]}, limiting a measured time)"
         )
-    fit: Fit = levenberg_marquardt(residual, scale.log_x, max_iterations=60)
+    fit: Fit = levenberg_marquardt(residual, scale.log_x, max_iterations=60, bounds=BOUNDS)
     local = jacobian(residual, fit.log_x)
     singular = np.linalg.svd(local / np.linalg.norm(local, axis=0), compute_uv=True)
     if singular[1][-1] < 1e-6:

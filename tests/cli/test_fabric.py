@@ -149,8 +149,81 @@ def test_calibrate_reads_the_moe_phases_of_a_run_with_their_per_rank_bytes():
     result = CliRunner().invoke(simulate, args)
     assert result.exit_code == 0, result.output
     phases = [row["phase"] for row in json.loads(result.output)["residuals"]]
-    assert phases[:2] == ["qwen3-30b-a3b dispatch 3874816 B", "qwen3-30b-a3b combine 3874816 B"]
+    assert phases[:2] == [
+        "qwen3-30b-a3b uniform dispatch 3874816 B",
+        "qwen3-30b-a3b uniform combine 3874816 B",
+    ]
     assert len(phases) == 31
+
+
+def test_calibrate_reads_the_sweep_and_the_moe_phases_of_one_suite_folder(tmp_path):
+    # A suite writes both into one folder: ranks.csv states the sweep rows' sizes and not the MoE rows'.
+    import pandas as pd
+
+    suite = tmp_path / "suite"
+    shutil.copytree(CPU_RACK, suite)
+    moe = CPU_RACK.parent / "cpu-moe"
+    for name in ("results.csv", "ranks.csv"):
+        frames = [pd.read_csv(CPU_RACK / name), pd.read_csv(moe / name)]
+        pd.concat(frames, ignore_index=True).to_csv(suite / name, index=False)
+    result = CliRunner().invoke(
+        simulate, ["--calibrate", str(suite), "--ranks", "4", "--tokens", "64", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    phases = [row["phase"] for row in json.loads(result.output)["residuals"]]
+    assert len(phases) == 31 and "qwen3-30b-a3b uniform combine 3874816 B" in phases
+
+
+CPU_NODE = CPU_RACK.parent / "cpu-node"  # `run --world-size 8 --ranks-per-host 2 --send-mode node` here
+
+
+def _node_stage_phases(folder):
+    """The node-mode folder's stage rows as the fit must see them: per-rank bytes from ranks.csv, and a
+    scale-out stage exchanging with one rank (of the same local index) on each of the 3 other nodes."""
+    import pandas as pd
+
+    from commbench.fabric.rackfit import MeasuredPhase
+
+    results, ranks = pd.read_csv(folder / "results.csv"), pd.read_csv(folder / "ranks.csv")
+    phases = []
+    for row in results[results["phase"].str.contains(":")].itertuples():
+        frame = ranks[ranks["phase"] == row.phase].sort_values("rank")
+        loads = np.zeros((8, 2, 2))
+        for c, name in enumerate(("nvlink", "scaleout")):
+            loads[:, c, 0] = frame[f"{name}_sent_bytes"]
+            loads[:, c, 1] = frame[f"{name}_recv_bytes"]
+        peers = np.where(loads > 0, np.array([1, 3])[None, :, None], 0)  # 2 ranks per node, 4 nodes
+        phases.append(MeasuredPhase(row.phase, loads, peers, 1.0))
+    return results, phases
+
+
+def test_calibrate_fits_the_two_stages_of_a_node_mode_run(tmp_path):
+    # The model's own stage times (no noise) beside the synthetic sweep: the fit recovers them exactly
+    # only if it reads each stage as its own phase with the right peers (3 scale-out peers, not 6), and
+    # leaves out the phase rows that are the two stages in sequence.
+    rack = _synthetic_folder(tmp_path, noise=0.0)
+    node = tmp_path / "node"
+    shutil.copytree(CPU_NODE, node)
+    results, phases = _node_stage_phases(node)
+    staged = results["phase"].str.contains(":")
+    results.loc[staged, "time_us_p50"] = predicted_times(phases, KNOWN, 2, 2) * 1e6
+    results.to_csv(node / "results.csv", index=False)
+    args = ["--calibrate", str(node), "--calibrate", str(rack), "--ranks", "8", "--tokens", "64", "--json"]
+    result = CliRunner().invoke(simulate, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    labels = [row["phase"].split()[2] for row in data["residuals"][:4]]
+    assert labels == ["dispatch:scaleout", "dispatch:nvlink", "combine:nvlink", "combine:scaleout"]
+    assert len(data["residuals"]) == 4 + 5 + 24
+    assert max(abs(row["residual_pct"]) for row in data["residuals"]) < 0.5
+
+
+def test_calibrate_refuses_a_node_mode_run_alone_naming_what_to_add():
+    result = CliRunner().invoke(cli, ["simulate", "--calibrate", str(CPU_NODE), "--ranks", "8"])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "4 distinct measured phase(s), fewer than the 5 parameters" in lines[0]
+    assert "balanced sweep and the pairwise test" in lines[0] and "Warning" not in result.stderr
 
 
 def test_calibrate_refuses_a_folder_that_cannot_constrain_a_parameter(tmp_path):
