@@ -271,6 +271,7 @@ FIT_PARAMETERS = (
     "normal.scaleout_latency_us",
     "low-latency.kernel_latency_us",
     "row_cost_us",
+    "combine_sm_speed",
     "torch_api_us",
     # Each library's kernels against DeepEP's (calibration.yaml's library.* rows): held at 1 where none of
     # its figures constrains one (the fit's Jacobian says so).

@@ -86,6 +86,7 @@ class LibraryFactors(NamedTuple):
     latency: float = 1.0
     sm_speed: float = 1.0
     combine_latency: float = 1.0
+    combine_sm_speed: float = 1.0  # x DeepEP's combine_sm_speed
 
 
 def library_factors(library: str, values: Mapping[str, float]) -> LibraryFactors:
@@ -97,6 +98,7 @@ def library_factors(library: str, values: Mapping[str, float]) -> LibraryFactors
         float(values.get(f"library.{library}.latency_factor", 1.0)),
         float(values.get(f"library.{library}.sm_speed", 1.0)),
         float(values.get(f"library.{library}.combine_latency_factor", 1.0)),
+        float(values.get(f"library.{library}.combine_sm_speed", 1.0)),
     )
 
 
@@ -130,6 +132,7 @@ def engine_defaults(
         "sms": int(value(f"{kernel}.sms")) if kernel != "nccl" else 0,
         "per_sm_GBps": value("per_sm_GBps") * factors.sm_speed,
         "row_cost_s": value("row_cost_us") * us / factors.sm_speed,
+        "combine_sm_speed": value("combine_sm_speed") * factors.combine_sm_speed,
         "message_cost_s": value(f"message_cost_us.{transport}") * us,
         "launch_s": value("launch_us") * us,
         "rows_per_message": value("normal.rows_per_message") if kernel == "normal" else 1.0,

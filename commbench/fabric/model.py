@@ -79,6 +79,7 @@ class FabricParams:
     sms: int = 0  # SMs a GPU-initiated kernel runs on; 0 = no per-SM bound
     per_sm_GBps: float = _NCCL["per_sm_GBps"]
     row_cost_s: float = _NCCL["row_cost_s"]  # SM time per row (token or selection) a GPU kernel handles
+    combine_sm_speed: float = 1.0  # a combine's bytes and rows per SM / its dispatch's (it also reduces)
     message_cost_s: float = 0.0  # per scale-out message, per NIC (a CPU-proxy transport's cost)
     net_max_recvs: int = 8  # nccl over PXN: source ranks' messages received as one (SystemSpec's field)
     nics_per_gpu: int = 1
@@ -161,8 +162,9 @@ class FabricParams:
                 f"sms must be >= 0, nics_per_gpu >= 1, per_sm_GBps > 0, rows_per_message >= 1; got "
                 f"{self.sms}, {self.nics_per_gpu}, {self.per_sm_GBps:g}, {self.rows_per_message:g}"
             )
-        if self.combine_latency_factor <= 0:
-            raise UsageError(f"combine_latency_factor must be > 0, got {self.combine_latency_factor:g}")
+        for key in ("combine_latency_factor", "combine_sm_speed"):
+            if getattr(self, key) <= 0:
+                raise UsageError(f"{key} must be > 0, got {getattr(self, key):g}")
         for key in (
             "phase_latency_s",
             "nvlink_peer_latency_s",
@@ -458,6 +460,8 @@ def predict_loads(loads: LinkLoads, fabric: Fabric, combine: bool = False) -> Ph
         sm_time = handled / (p.sms * p.per_sm_GBps * 1e9)
         if loads.message_bytes:  # and a fixed cost per row (FP8 rows cost more per byte than BF16 rows)
             sm_time = sm_time + handled / loads.message_bytes * p.row_cost_s / p.sms
+        if combine:  # a combine reduces each token's returned rows on its SMs too
+            sm_time = sm_time / p.combine_sm_speed
         resource["sm"] = float(sm_time.max())
         rank = int(np.argmax(sm_time))
         if sm_time[rank] > slowest:

@@ -1,5 +1,7 @@
 """The fabric model: closed forms for balanced traffic, PXN forwarding, bottlenecks, uplinks, validation."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -188,6 +190,28 @@ def test_sm_bound_and_row_cost_of_a_normal_kernel():
     sm = handled / (4 * 10e9) + handled / row * 1e-6 / 4
     assert pred.bottleneck_class == "sm" and pred.bottleneck == "rank 0 SM throughput"
     assert pred.time_s == pytest.approx(fabric.params.fixed_latency_s + sm, rel=1e-12)
+
+
+def test_an_sm_bound_combine_pays_its_reduction_and_a_link_bound_one_does_not():
+    # combine_sm_speed slows only the SM resource of a combine (it reduces each token's returned rows); the
+    # same bytes as a dispatch, or bound by NVLink, take what they took; a library's factor multiplies it.
+    slow = make_fabric("hgx-h100", 8, kernel="normal", sms=4, per_sm_GBps=10.0, row_cost_s=0.0)
+    slow = replace(slow, params=replace(slow.params, combine_sm_speed=0.5))
+    traffic = balanced_traffic(8, B)
+    dispatch = predict_phase(traffic, slow)
+    combine = predict_phase(traffic, slow, combine=True)
+    fixed = slow.params.phase_fixed_latency_s(combine=True, scaleout=False)
+    assert combine.bottleneck_class == "sm"
+    assert combine.time_s - fixed == pytest.approx(2 * (dispatch.time_s - slow.params.fixed_latency_s))
+    wide = replace(slow, params=replace(slow.params, sms=1000))  # NVLink limits: no reduction cost shows
+    assert predict_phase(traffic, wide, combine=True).bottleneck_class == "nvlink"
+    spec = slow.spec
+    table = {"combine_sm_speed": 0.8, "library.hybrid-ep.combine_sm_speed": 1.5}
+    assert FabricParams.from_spec(spec, table, kernel="normal").combine_sm_speed == pytest.approx(0.8)
+    hybrid = FabricParams.from_spec(spec, table, kernel="normal", library="hybrid-ep")
+    assert hybrid.combine_sm_speed == pytest.approx(1.2)
+    with pytest.raises(UsageError, match="combine_sm_speed must be > 0"):
+        replace(slow.params, combine_sm_speed=0.0).validate()
 
 
 def test_a_library_runs_the_engine_with_its_own_latency_and_sm_speed():
