@@ -80,8 +80,8 @@ def table_values() -> dict[str, float]:
 
 
 class LibraryFactors(NamedTuple):
-    """A library's kernels against DeepEP's: fixed latency and bytes per SM, and its combine's fixed latency
-    against its own dispatch's."""
+    """A library's kernels against DeepEP's: fixed latency and bytes per SM, its combine's fixed latency
+    against its own dispatch's, and its combine's bytes per SM against DeepEP's combine's."""
 
     latency: float = 1.0
     sm_speed: float = 1.0
