@@ -118,6 +118,27 @@ def topo(as_json: bool) -> None:
         click.echo(f"note: {note}")
 
 
+# What --calibration / --fit and --calibrate read; any other option given with them would be ignored.
+_CALIBRATION_USES = ("calibration", "fit", "tokens_per_rank", "seed", "as_json")
+_CALIBRATE_USES = ("calibrate", "model", "ranks_text", "tokens_per_rank", "seed", "as_json")
+
+
+def _refuse_unused_options(calibrate: tuple[str, ...]) -> None:
+    """UsageError naming an option given on the command line that the chosen mode does not read."""
+    ctx = click.get_current_context()
+    mode, uses = ("--calibrate", _CALIBRATE_USES) if calibrate else ("--calibration", _CALIBRATION_USES)
+    if calibrate and (ctx.params.get("calibration") or ctx.params.get("fit")):
+        raise UsageError("--calibrate and --calibration/--fit are two modes; choose one")
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name or "")
+        if param.name in uses or source != click.core.ParameterSource.COMMANDLINE:
+            continue
+        used = ", ".join(o.opts[0] for o in ctx.command.params if o.name in uses and o.name != mode[2:])
+        raise UsageError(
+            f"{param.opts[0]} does not apply with {mode}, which reads only {used}; drop {param.opts[0]}"
+        )
+
+
 @click.command()
 @click.option("--model", default="deepseek-v3", show_default=True, help="Model preset or YAML path.")
 @click.option(
@@ -244,6 +265,8 @@ def simulate(
     a GPU moves (self included) / phase time; efficiency = per-GPU tokens/s relative to the smallest size.
     """
     # ``inputs`` are named as commbench.fabric.ep_groups.simulate's parameters.
+    if calibration or fit or calibrate:
+        _refuse_unused_options(calibrate)
     if calibration or fit:
         from commbench.cli.fabric_fit import echo_calibration
 

@@ -226,6 +226,25 @@ def test_calibrate_refuses_a_node_mode_run_alone_naming_what_to_add():
     assert "balanced sweep and the pairwise test" in lines[0] and "Warning" not in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (
+            ["--calibrate", str(CPU_RACK), "--send-mode", "node"],
+            "--send-mode does not apply with --calibrate",
+        ),
+        (["--calibrate", str(CPU_RACK), "--kernel", "normal"], "--kernel does not apply with --calibrate"),
+        (["--calibration", "--spec", "hgx-h100"], "--spec does not apply with --calibration"),
+        (["--calibration", "--calibrate", str(CPU_RACK)], "two modes; choose one"),
+    ],
+)
+def test_an_option_the_calibration_modes_do_not_read_is_refused_not_ignored(args, named):
+    result = CliRunner().invoke(cli, ["simulate", *args])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and named in lines[0], result.stderr
+
+
 def test_calibrate_refuses_a_folder_that_cannot_constrain_a_parameter(tmp_path):
     folder = _synthetic_folder(tmp_path, noise=0.0, pairs=False)
     args = ["simulate", "--calibrate", str(folder), "--ranks", "4", "--tokens", "64"]
