@@ -3,7 +3,8 @@ on gloo, alternated round by round: per-size medians, the ratios, each sweep's w
 
     python benchmarks/bench_param.py --param DIR [--rounds 5] [--min-bytes 1K] [--max-bytes 64M]
         [--factor 2] [--iters 20] [--warmup 5] [--world-size 4] [--tools commbench,bare,PARAM]
-        [--out bench_param.md]
+        [--out bench_param.md] [--json rounds.json]
+    python benchmarks/bench_param.py --pool A.json B.json ...   # one table of the rounds of several runs
 
 PARAM is not part of commbench: ``--param DIR`` is a checkout of https://github.com/facebookresearch/param
 (``git clone https://github.com/facebookresearch/param DIR``; its ``train/comms/pt/comms.py`` is run). PARAM
@@ -54,6 +55,10 @@ slower) with a distribution-free ~95 % confidence interval of that median in bra
 order statistics of the rounds; with 5 rounds it is their min..max), the median whole-command wall time of
 each sweep and the load per round. The wall times include each tool's start-up; commbench's includes verifying
 every size, its in-place run of every size (twice PARAM's timed calls) and its report.
+
+``--json PATH`` also writes every round's raw times (per tool and size, its wall and the load before it);
+``--pool A.json B.json ...`` reads such files of one setting (the same tools, sizes, iterations and ranks) and
+prints the table over all their rounds, running nothing.
 """
 
 from __future__ import annotations
@@ -321,6 +326,88 @@ def table(sizes: list[int], tools: tuple[str, ...], runs: list[dict], loads: lis
     return "\n".join(lines)
 
 
+MAX_POOL_BYTES = 16 << 20  # a rounds file is a few KiB; anything this large is not one
+
+
+def refuse(message: str) -> SystemExit:
+    """Bad input: the one line on stderr, exit status 2 (raise what this returns)."""
+    print(message, file=sys.stderr)
+    return SystemExit(2)
+
+
+def rounds_json(
+    args: argparse.Namespace,
+    sizes: list[int],
+    tools: tuple[str, ...],
+    runs: list[dict],
+    loads: list[list[float]],
+) -> dict:
+    """What --json writes: the setting, and per round each tool's times (us, by size) and wall (s)."""
+    setting = {
+        k: getattr(args, k) for k in ("world_size", "iters", "warmup", "min_bytes", "max_bytes", "factor")
+    }
+    return {
+        "setting": setting,
+        "sizes": sizes,
+        "tools": list(tools),
+        "rounds": [
+            {
+                "order": list(run["order"]),
+                "load": load,
+                "tools": {
+                    tool: {"times_us": {str(s): t for s, t in run[tool][0].items()}, "wall_s": run[tool][1]}
+                    for tool in tools
+                },
+            }
+            for run, load in zip(runs, loads, strict=True)
+        ],
+    }
+
+
+def pooled(paths: list[Path]) -> tuple[dict, list[int], tuple[str, ...], list[dict], list[list[float]]]:
+    """The rounds of several --json files of one setting, as ``table`` takes them (exit 2, one line, on
+    a file that is not one or a setting that differs)."""
+    first: dict | None = None
+    runs: list[dict] = []
+    loads: list[list[float]] = []
+    for path in paths:
+        try:
+            if path.stat().st_size > MAX_POOL_BYTES:
+                raise ValueError(f"over {MAX_POOL_BYTES >> 20} MiB")
+            data = json.loads(path.read_text())
+            key = (data["setting"], data["sizes"], data["tools"])
+            rounds = [
+                (
+                    {"order": tuple(r["order"])}
+                    | {
+                        tool: (
+                            {int(s): float(t) for s, t in r["tools"][tool]["times_us"].items()},
+                            float(r["tools"][tool]["wall_s"]),
+                        )
+                        for tool in data["tools"]
+                    },
+                    [float(v) for v in r["load"]],
+                )
+                for r in data["rounds"]
+            ]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise refuse(f"bench_param: --pool {path}: not a rounds file of --json ({exc})") from None
+        if first is None:
+            first = {"setting": key[0], "sizes": key[1], "tools": key[2]}
+        elif key != (first["setting"], first["sizes"], first["tools"]):
+            raise refuse(f"bench_param: --pool {path}: another setting, sizes or tools than {paths[0]}")
+        runs += [run for run, _ in rounds]
+        loads += [load for _, load in rounds]
+    assert first is not None
+    return first["setting"], list(first["sizes"]), tuple(first["tools"]), runs, loads
+
+
+def write_atomically(path: Path, text: str) -> None:
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    os.replace(temporary, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--param", help="a checkout of facebookresearch/param (see the docstring)")
@@ -343,6 +430,14 @@ def main() -> None:
         "commbench's / PARAM's statistic",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the Markdown table here")
+    parser.add_argument("--json", type=Path, default=None, help="also write every round's raw times here")
+    parser.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="instead, the table over the rounds of --json files",
+    )
     parser.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one rank of the bare loop
     parser.add_argument("--sizes", default="", help=argparse.SUPPRESS)
     parser.add_argument("--bare-mode", default="window", help=argparse.SUPPRESS)
@@ -350,13 +445,25 @@ def main() -> None:
     if args.bare:
         bare_rank([int(s) for s in args.sizes.split(",")], args.iters, args.warmup, args.bare_mode)
         return
+    if args.pool:
+        setting, sizes, tools, runs, loads = pooled(args.pool)
+        head = (
+            f"{len(runs)} rounds pooled from {len(args.pool)} runs ({', '.join(str(p) for p in args.pool)}): "
+            f"{setting['world_size']} gloo ranks, sizes {setting['min_bytes']}..{setting['max_bytes']} "
+            f"x{setting['factor']}, {setting['warmup']} warm-up + {setting['iters']} timed iterations each."
+        )
+        text = head + "\n\n" + table(sizes, tools, runs, loads) + "\n"
+        print(text)
+        if args.out is not None:
+            write_atomically(args.out, text)
+        return
     tools = tuple(t.strip() for t in args.tools.split(",") if t.strip())
     if not tools or tools[0] not in COMMBENCH or len(set(tools)) != len(tools) or set(tools) - set(TOOLS):
-        raise SystemExit(
+        raise refuse(
             f"bench_param: --tools must start with one of {tuple(COMMBENCH)}, each of {TOOLS} at most once"
         )
     if not args.param or not (Path(args.param) / "train" / "comms" / "pt" / "comms.py").is_file():
-        raise SystemExit(
+        raise refuse(
             "bench_param: --param DIR must be a facebookresearch/param checkout (train/comms/pt/comms.py)"
         )
     sizes = sweep_sizes(parse_size(args.min_bytes), parse_size(args.max_bytes), args.factor)
@@ -396,7 +503,9 @@ def main() -> None:
     text = head + "\n\n" + table(sizes, tools, runs, loads) + "\n"
     print(text)
     if args.out is not None:
-        args.out.write_text(text)
+        write_atomically(args.out, text)
+    if args.json is not None:
+        write_atomically(args.json, json.dumps(rounds_json(args, sizes, tools, runs, loads), indent=1) + "\n")
 
 
 if __name__ == "__main__":
