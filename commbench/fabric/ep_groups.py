@@ -29,7 +29,7 @@ from commbench.fabric.model import Fabric, PhasePrediction, make_fabric, predict
 from commbench.inputs.models import ModelConfig, load_model
 from commbench.inputs.skew import SkewSpec, parse_skew
 from commbench.inputs.specs import SystemSpec, load_spec
-from commbench.traffic.nodes import Nodes, node_stage_rows, node_token_counts
+from commbench.traffic.nodes import STAGE_ORDER, Nodes, node_stage_rows, node_token_counts, stage_phase
 from commbench.traffic.pattern import SEND_MODES, destination_hits
 from commbench.traffic.routing import RoutingConfig, expert_popularity, expert_rank, route_rank
 
@@ -383,18 +383,66 @@ def simulate(
         if send_mode == "node":
             note += (
                 "; node mode: each phase is both stages' bytes at once (the stages pipelined, as DeepEP's "
-                "internode kernels run them), nodes = the NVLink domains each EP group's ranks sit in"
-            )
+                "internode kernels run them)"
+                if gpu_initiated
+                else "; node mode: each phase is its two stages in sequence, two all-to-all(v)s each with "
+                "its own fixed time (as commbench run executes them: the second forwards what the first "
+                "delivered)"
+            ) + ", nodes = the NVLink domains each EP group's ranks sit in"
         notes.append(note)
         # GPU-initiated engines post one message per row (a token, or a selection), nccl one per peer.
         rows_in = (model.dispatch_bytes_per_token, model.combine_bytes_per_token) if gpu_initiated else (0, 0)
         dispatch = predict_phase(pattern.dispatch_bytes, fabric, rows_in[0] or None)
         combine = predict_phase(pattern.combine_bytes, fabric, rows_in[1] or None, combine=True)
+        staged: dict[str, list[tuple[str, PhasePrediction]]] = {}
+        if send_mode == "node" and not gpu_initiated:
+            # A stage whose rows never leave their GPU (the scale-out stage of a group inside one node) is
+            # not run: the phase is its other stage.
+            staged = {
+                phase: [
+                    (stage, part)
+                    for stage in order
+                    for part in [predict_phase(_stage_bytes(pattern, phase, stage), fabric)]
+                    if part.nvlink_bytes + part.scaleout_bytes > 0
+                ]
+                for phase, order in STAGE_ORDER.items()
+            }
+            dispatch, combine = (
+                _in_sequence(whole, staged[p]) for whole, p in ((dispatch, "dispatch"), (combine, "combine"))
+            )
         for phase, pred in (("dispatch", dispatch), ("combine", combine)):
             rows.append(_sim_row(world, pattern, fabric, phase, pred.time_s, pred, base))
+            for stage, part in staged.get(phase, []):
+                rows.append(
+                    _sim_row(world, pattern, fabric, stage_phase(phase, stage), part.time_s, part, base)
+                )
         rows.append(_sim_row(world, pattern, fabric, "total", dispatch.time_s + combine.time_s, None, base))
         busiest[world] = int(np.asarray(pattern.dispatch_selections, dtype=np.int64).sum(axis=-2).max())
     return Simulation(rows, notes, busiest)
+
+
+def _stage_bytes(pattern: GroupedPattern, phase: str, stage: str) -> np.ndarray:
+    """[G, m, m] bytes of one node-mode stage: dispatch rows of the stage, or their transpose in combine."""
+    rows = pattern.stage_rows[stage]
+    if phase == "dispatch":
+        return rows * int(pattern.model.dispatch_bytes_per_token)
+    return np.ascontiguousarray(rows.transpose(0, 2, 1)) * int(pattern.model.combine_bytes_per_token)
+
+
+def _in_sequence(whole: PhasePrediction, stages: list[tuple[str, PhasePrediction]]) -> PhasePrediction:
+    """The phase of stages run one after another: their times add up; its bytes are the whole phase's, its
+    bottleneck the slowest stage's."""
+    if not stages:
+        return whole
+    slowest = max((part for _, part in stages), key=lambda part: part.time_s)
+    return replace(
+        whole,
+        time_s=sum(part.time_s for _, part in stages),
+        bottleneck_rank=slowest.bottleneck_rank,
+        bottleneck_class=slowest.bottleneck_class,
+        bottleneck_dir=slowest.bottleneck_dir,
+        bottleneck_bytes=slowest.bottleneck_bytes,
+    )
 
 
 def _span_note(pattern: GroupedPattern, fabric: Fabric) -> str:

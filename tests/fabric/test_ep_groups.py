@@ -138,3 +138,24 @@ def test_simulate_node_mode_uses_the_node_patterns_bytes():
         hier["scaleout_bytes_per_gpu"] < flat["scaleout_bytes_per_gpu"] and hier["time_us"] < flat["time_us"]
     )
     assert "node mode" in node.notes[0]
+
+
+def test_simulate_node_mode_on_nccl_runs_its_stages_in_sequence_and_gpu_kernels_pipeline_them():
+    # nccl: two all-to-all(v)s, one after the other (as commbench run executes node mode), each with its own
+    # fixed time: the phase is the sum of its stage rows; a GPU-initiated normal kernel pipelines the stages
+    # (one phase, both stages' bytes at once, no stage rows). A group inside one node runs no scale-out stage.
+    args = {"spec": "hgx-h100", "tokens_per_rank": 256, "sample_tokens": 1024, "send_mode": "node"}
+    nccl = simulate("qwen3-30b-a3b", [8, 16], **args)
+    rows = {(r["ranks"], r["phase"]): r for r in nccl.rows}
+    for phase, stages in (("dispatch", ("scaleout", "nvlink")), ("combine", ("nvlink", "scaleout"))):
+        parts = [rows[(16, f"{phase}:{stage}")]["time_us"] for stage in stages]
+        assert rows[(16, phase)]["time_us"] == pytest.approx(sum(parts))
+        assert (8, f"{phase}:scaleout") not in rows and (8, f"{phase}:nvlink") in rows
+        assert rows[(8, phase)]["time_us"] == pytest.approx(rows[(8, f"{phase}:nvlink")]["time_us"])
+    assert "two stages in sequence" in nccl.notes[1]
+    normal = simulate("qwen3-30b-a3b", [16], kernel="normal", **args)
+    assert [r["phase"] for r in normal.rows] == ["dispatch", "combine", "total"]
+    assert "pipelined" in normal.notes[0]
+    flat = simulate("qwen3-30b-a3b", [16], **{**args, "send_mode": "token"})
+    dispatch = next(r for r in flat.rows if r["phase"] == "dispatch")
+    assert rows[(16, "dispatch")]["scaleout_bytes_per_gpu"] < dispatch["scaleout_bytes_per_gpu"]
