@@ -402,7 +402,9 @@ def simulate(
                 phase: [
                     (stage, part)
                     for stage in order
-                    for part in [predict_phase(_stage_bytes(pattern, phase, stage), fabric)]
+                    for part in [
+                        predict_phase(_stage_bytes(pattern, phase, stage), fabric, combine=phase == "combine")
+                    ]
                     if part.nvlink_bytes + part.scaleout_bytes > 0
                 ]
                 for phase, order in STAGE_ORDER.items()

@@ -13,9 +13,11 @@ log of the times, five physical parameters:
   pairwise message pays one).
 
 A parameter no measurement depends on (no bytes ever crossed domains), or two the measurements cannot tell
-apart (every phase with the same peers, and no pairwise latency), is refused with the parameter named:
-the fit would be a guess. The fitted rack then predicts a model's dispatch and combine at 1, 2, 4, 8, 16
-racks (or any world sizes), with error bars from the fit's covariance (parameter draws).
+apart (every phase with the same peers, and no pairwise latency), is refused with the parameter named, and
+so are fewer distinct measured phases than parameters: the fit would be a guess. The two stages of a
+``--send-mode node`` run come as two phases (the CLI hands them down so, each with its own peers). The
+fitted rack then predicts a model's dispatch and combine at 1, 2, 4, 8, 16 racks (or any world sizes), with
+error bars from the fit's covariance (parameter draws).
 """
 
 from __future__ import annotations
