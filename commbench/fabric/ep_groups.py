@@ -392,26 +392,28 @@ def simulate(
         notes.append(note)
         # GPU-initiated engines post one message per row (a token, or a selection), nccl one per peer.
         rows_in = (model.dispatch_bytes_per_token, model.combine_bytes_per_token) if gpu_initiated else (0, 0)
-        dispatch = predict_phase(pattern.dispatch_bytes, fabric, rows_in[0] or None)
-        combine = predict_phase(pattern.combine_bytes, fabric, rows_in[1] or None, combine=True)
         staged: dict[str, list[tuple[str, PhasePrediction]]] = {}
         if send_mode == "node" and not gpu_initiated:
-            # A stage whose rows never leave their GPU (the scale-out stage of a group inside one node) is
-            # not run: the phase is its other stage.
-            staged = {
+            # nccl: each stage its own phase, run one after the other.
+            parts = {
                 phase: [
-                    (stage, part)
+                    (
+                        stage,
+                        predict_phase(
+                            _stage_bytes(pattern, phase, stage), fabric, combine=phase == "combine"
+                        ),
+                    )
                     for stage in order
-                    for part in [
-                        predict_phase(_stage_bytes(pattern, phase, stage), fabric, combine=phase == "combine")
-                    ]
-                    if part.nvlink_bytes + part.scaleout_bytes > 0
                 ]
                 for phase, order in STAGE_ORDER.items()
             }
-            dispatch, combine = (
-                _in_sequence(whole, staged[p]) for whole, p in ((dispatch, "dispatch"), (combine, "combine"))
-            )
+            dispatch, combine = (_in_sequence(parts[p]) for p in ("dispatch", "combine"))
+            # A stage whose rows never leave their GPU (the scale-out stage of a group inside one node) is
+            # not run, and gets no row.
+            staged = {phase: [(s, part) for s, part in got if _moves(part)] for phase, got in parts.items()}
+        else:
+            dispatch = predict_phase(pattern.dispatch_bytes, fabric, rows_in[0] or None)
+            combine = predict_phase(pattern.combine_bytes, fabric, rows_in[1] or None, combine=True)
         for phase, pred in (("dispatch", dispatch), ("combine", combine)):
             rows.append(_sim_row(world, pattern, fabric, phase, pred.time_s, pred, base))
             for stage, part in staged.get(phase, []):
@@ -431,19 +433,27 @@ def _stage_bytes(pattern: GroupedPattern, phase: str, stage: str) -> np.ndarray:
     return np.ascontiguousarray(rows.transpose(0, 2, 1)) * int(pattern.model.combine_bytes_per_token)
 
 
-def _in_sequence(whole: PhasePrediction, stages: list[tuple[str, PhasePrediction]]) -> PhasePrediction:
-    """The phase of stages run one after another: their times add up; its bytes are the whole phase's, its
-    bottleneck the slowest stage's."""
-    if not stages:
-        return whole
-    slowest = max((part for _, part in stages), key=lambda part: part.time_s)
+def _moves(part: PhasePrediction) -> bool:
+    return part.nvlink_bytes + part.scaleout_bytes > 0
+
+
+def _in_sequence(stages: list[tuple[str, PhasePrediction]]) -> PhasePrediction:
+    """The phase of stages run one after another: the times of the stages that move bytes over a link add
+    up (one that moves none is not run), its bytes are all stages' together, its bottleneck the slowest
+    stage's."""
+    parts = [part for _, part in stages]
+    ran = [part for part in parts if _moves(part)] or parts[-1:]
+    slowest = max(ran, key=lambda part: part.time_s)
+    keys = {key for part in ran for key in part.resource_time_s}
     return replace(
-        whole,
-        time_s=sum(part.time_s for _, part in stages),
-        bottleneck_rank=slowest.bottleneck_rank,
-        bottleneck_class=slowest.bottleneck_class,
-        bottleneck_dir=slowest.bottleneck_dir,
-        bottleneck_bytes=slowest.bottleneck_bytes,
+        slowest,
+        time_s=sum(part.time_s for part in ran),
+        resource_time_s={key: sum(part.resource_time_s.get(key, 0.0) for part in ran) for key in keys},
+        rank_time_s=sum((part.rank_time_s for part in ran[1:]), ran[0].rank_time_s),
+        **{
+            name: sum(getattr(part, name) for part in parts)
+            for name in ("total_bytes", "self_bytes", "nvlink_bytes", "scaleout_bytes", "forwarded_bytes")
+        },
     )
 
 
