@@ -76,6 +76,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from commbench.report.folder.claim import write_atomic
+
 TOOLS = (
     "commbench",
     "commbench-b1",
@@ -402,12 +404,6 @@ def pooled(paths: list[Path]) -> tuple[dict, list[int], tuple[str, ...], list[di
     return first["setting"], list(first["sizes"]), tuple(first["tools"]), runs, loads
 
 
-def write_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
-    os.replace(temporary, path)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--param", help="a checkout of facebookresearch/param (see the docstring)")
@@ -455,7 +451,7 @@ def main() -> None:
         text = head + "\n\n" + table(sizes, tools, runs, loads) + "\n"
         print(text)
         if args.out is not None:
-            write_atomically(args.out, text)
+            write_atomic(args.out, text)
         return
     tools = tuple(t.strip() for t in args.tools.split(",") if t.strip())
     if not tools or tools[0] not in COMMBENCH or len(set(tools)) != len(tools) or set(tools) - set(TOOLS):
@@ -503,9 +499,9 @@ def main() -> None:
     text = head + "\n\n" + table(sizes, tools, runs, loads) + "\n"
     print(text)
     if args.out is not None:
-        write_atomically(args.out, text)
+        write_atomic(args.out, text)
     if args.json is not None:
-        write_atomically(args.json, json.dumps(rounds_json(args, sizes, tools, runs, loads), indent=1) + "\n")
+        write_atomic(args.json, json.dumps(rounds_json(args, sizes, tools, runs, loads), indent=1) + "\n")
 
 
 if __name__ == "__main__":
